@@ -1,0 +1,244 @@
+"""TieredCache: GPU -> CPU -> Redis lookups with promotion; puts that never wait on Redis."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ec_redis.breaker import CircuitBreaker
+from ec_redis.codec.format import BY_TORCH, MAX_NDIM
+from ec_redis.config import CacheConfig
+from ec_redis.errors import TensorError
+from ec_redis.keys import KeyBuilder, ModelIdentity
+from ec_redis.logutil import RateLimitedLog
+from ec_redis.stats import Counters
+from ec_redis.tiers.cpu import HostTier
+from ec_redis.tiers.gpu import DeviceTier
+from ec_redis.tiers.pinned import PinnedPool
+from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
+from ec_redis.tiers.transfer import HostCopy, Transfer
+from ec_redis.writer import BackgroundWriter
+
+
+class TieredCache:
+    """Item id -> tensor, served from the fastest tier that has it.
+
+    ``get`` walks GPU -> CPU -> Redis and promotes hits into the faster tiers. ``put`` stores
+    locally and queues the Redis write. Tensors handed out are shared with the cache: treat
+    them as read-only. Redis problems become misses and counters, never exceptions.
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        identity: ModelIdentity | None = None,
+        redis_client: Any = None,
+    ) -> None:
+        self.config = config
+        self.identity = identity or ModelIdentity(
+            config.model_name, config.model_revision, config.model_dtype, config.embed_width
+        )
+        self.device = _resolve_device(config.device)
+        pool = PinnedPool(config.cpu_cache_bytes + config.write_queue_bytes)
+        self._transfer = Transfer(self.device, pool if self.device.type == "cuda" else None)
+        self.cpu = HostTier(config.cpu_cache_bytes, self._transfer)
+        self.gpu = DeviceTier(config.gpu_cache_bytes, on_evict=self._spill)
+        self.counters = Counters()
+        self._log = RateLimitedLog()
+        self.redis: RedisTier | None = None
+        self.writer: BackgroundWriter | None = None
+        if redis_client is None and config.redis_url:
+            from ec_redis.redis_conn import make_client
+
+            redis_client = make_client(config)
+        if redis_client is not None:
+            self.redis = RedisTier(
+                redis_client,
+                KeyBuilder(config.namespace, self.identity, config.tenant_salt),
+                _tier_options(config),
+                CircuitBreaker(
+                    config.breaker_failures,
+                    config.breaker_cooldown_s,
+                    config.breaker_max_cooldown_s,
+                ),
+            )
+            self.writer = BackgroundWriter(
+                self._write_to_redis,
+                config.write_queue_items,
+                config.write_queue_bytes,
+                config.writer_threads,
+            )
+        self._closed = False
+
+    @classmethod
+    def from_config(
+        cls, raw: Mapping[str, Any] | CacheConfig | None = None, **kwargs: Any
+    ) -> TieredCache:
+        """Build from a plain dict (validated; ``ConfigError`` on bad keys) or a config."""
+        config = raw if isinstance(raw, CacheConfig) else CacheConfig.from_dict(raw)
+        return cls(config, **kwargs)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The tensor for ``key`` on ``self.device``, or ``None``."""
+        return self.get_many([key])[key]
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor | None]:
+        """Look up several ids; the Redis misses of local tiers go in one pipelined batch."""
+        out: dict[str, torch.Tensor | None] = {}
+        remote: list[str] = []
+        for key in dict.fromkeys(keys):
+            out[key] = self._get_local(key)
+            if out[key] is None:
+                remote.append(key)
+        if remote and self.redis is not None and not self._closed:
+            for key, host_tensor in self.redis.get_many(remote).items():
+                if host_tensor is not None:
+                    out[key] = self._promote(key, HostCopy(host_tensor))
+        hits = sum(v is not None for v in out.values())
+        self.counters.inc("hits", hits)
+        self.counters.inc("misses", len(out) - hits)
+        return out
+
+    def _get_local(self, key: str) -> torch.Tensor | None:
+        tensor = self.gpu.get(key) if self.gpu.enabled else None
+        if tensor is not None:
+            return tensor
+        tensor = self.cpu.get(key) if self.cpu.enabled else None
+        if tensor is not None:
+            self.gpu.put(key, tensor)
+            return tensor
+        if self.writer is not None:
+            pending = self.writer.pending(key)  # put but not yet in Redis: read your writes
+            if pending is not None:
+                self.counters.inc("pending_write_hits")
+                return self._promote(key, pending)
+        return None
+
+    def _promote(self, key: str, host: HostCopy) -> torch.Tensor:
+        self.cpu.put_host(key, host)
+        tensor = self._transfer.to_device(host)
+        self.gpu.put(key, tensor)
+        return tensor
+
+    def contains(self, key: str) -> bool:
+        """Whether any tier has ``key`` (one Redis EXISTS when the local tiers miss)."""
+        if self.gpu.contains(key) or self.cpu.contains(key):
+            return True
+        if self.writer is not None and self.writer.pending(key) is not None:
+            return True
+        return self.redis is not None and self.redis.contains(key)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Cache ``tensor`` under ``key``; returns at once (the Redis write is queued).
+
+        Raises ``TensorError`` for tensors the format cannot hold (a caller bug).
+        """
+        _check_tensor(tensor)
+        if self._closed:
+            return
+        tensor = tensor.detach()
+        on_gpu = self.gpu.put(key, tensor)
+        if on_gpu and self.writer is None:
+            return
+        host = self._transfer.to_host(tensor)
+        if not on_gpu:
+            self.cpu.put_host(key, host)
+        if self.writer is not None:
+            self.writer.submit(key, host)
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` from every tier (UNLINK in Redis)."""
+        self.gpu.delete(key)
+        self.cpu.delete(key)
+        if self.redis is not None:
+            self.redis.delete(key)
+
+    def _spill(self, key: str, tensor: torch.Tensor) -> None:
+        """GPU eviction: keep a host copy unless the CPU tier already has one."""
+        if not self.cpu.contains(key):
+            self.cpu.put(key, tensor)
+            self.counters.inc("spills")
+
+    def _write_to_redis(self, key: str, host: HostCopy) -> bool:
+        assert self.redis is not None
+        return self.redis.put(key, host.tensor)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait for pending Redis writes; False if ``timeout_s`` passed first."""
+        return self.writer.flush(timeout_s) if self.writer is not None else True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Drain writes (bounded by ``timeout_s``), stop threads, release memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.writer is not None:
+            self.writer.close(timeout_s)
+        if self.redis is not None:
+            self.redis.close()
+        self.gpu.close()
+        self.cpu.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Hits/misses per tier, bytes, evictions, errors and the write queue."""
+        out: dict[str, Any] = self.counters.snapshot()
+        out["gpu"] = self.gpu.stats()
+        out["cpu"] = self.cpu.stats()
+        if self.redis is not None:
+            out["redis"] = self.redis.stats()
+        if self.writer is not None:
+            out["writer"] = self.writer.stats()
+        return out
+
+
+def _check_tensor(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in BY_TORCH:
+        raise TensorError(f"dtype {tensor.dtype} is not supported")
+    if not 1 <= tensor.dim() <= MAX_NDIM:
+        raise TensorError(f"tensors of rank 1..{MAX_NDIM} are supported, got {tensor.dim()}")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from ec_redis.errors import ConfigError
+
+        raise ConfigError(
+            f"ec_redis config key 'device': {name!r} but CUDA is unavailable; "
+            "example: {'device': 'auto'}"
+        )
+    return device
+
+
+def _tier_options(config: CacheConfig) -> RedisTierOptions:
+    return RedisTierOptions(
+        chunk_bytes=config.chunk_bytes,
+        max_blob_bytes=config.max_blob_bytes,
+        ttl_s=config.ttl_s,
+        ttl_sliding=config.ttl_sliding,
+        compression=config.compression,
+        compression_min_ratio=config.compression_min_ratio,
+        byte_shuffle=config.byte_shuffle,
+        producer_id=config.producer_id or f"{socket.gethostname()}:{os.getpid()}",
+    )

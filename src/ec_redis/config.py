@@ -1,0 +1,297 @@
+"""Configuration: one frozen dataclass, parsed once from the plain dict users write.
+
+The same dict goes into vLLM's ``ec_connector_extra_config``. Unknown keys are rejected with
+the list of valid ones; a bad value names its key and a valid example. Nothing below this
+module reads dicts or environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from ec_redis.errors import ConfigError
+from ec_redis.units import parse_bytes
+
+COMPRESSIONS = ("none", "lz4", "auto")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_MiB = 1024**2
+_GiB = 1024**3
+
+
+def _size(value: object) -> int:
+    return parse_bytes(value)
+
+
+def _positive_size(value: object) -> int:
+    size = parse_bytes(value)
+    if size <= 0:
+        raise ValueError("must be greater than zero")
+    return size
+
+
+def _float_at_least(minimum: float) -> Callable[[object], float]:
+    def parse(value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"expected a number, got {value!r}")
+        number = float(value)
+        if not number >= minimum:  # also rejects NaN
+            raise ValueError(f"must be >= {minimum}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _int_at_least(minimum: int) -> Callable[[object], int]:
+    def parse(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected an integer, got {value!r}")
+        number = int(value)
+        if number < minimum:
+            raise ValueError(f"must be >= {minimum}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _name(value: object) -> str:
+    text = _text(value)
+    if not _NAME_RE.match(text):
+        raise ValueError("use 1-64 characters from A-Z a-z 0-9 . _ -")
+    return text
+
+
+def _compression(value: object) -> str:
+    text = _text(value).lower()
+    if text not in COMPRESSIONS:
+        raise ValueError(f"must be one of {', '.join(COMPRESSIONS)}")
+    return text
+
+
+def _redis_url(value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    text = _text(value)
+    scheme = urlsplit(text).scheme
+    if scheme not in REDIS_SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
+    return text
+
+
+def _device(value: object) -> str:
+    text = _text(value)
+    if text != "auto" and not re.match(r"^(cpu|cuda(:\d+)?)$", text):
+        raise ValueError("use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return text
+
+
+def _key(parse: Callable[[object], Any], example: str, doc: str) -> dict[str, Any]:
+    return {"parse": parse, "example": example, "doc": doc}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Every setting of the tiered cache; names carry their unit."""
+
+    redis_url: str | None = field(
+        default=None,
+        metadata=_key(
+            _redis_url,
+            '"redis://:password@redis-host:6379/0"',
+            "Redis server for the shared cold tier; null/empty turns the Redis tier off.",
+        ),
+    )
+    namespace: str = field(
+        default="ecr",
+        metadata=_key(_name, '"ecr"', "Key prefix; separates deployments sharing one Redis."),
+    )
+    model_name: str = field(
+        default="default",
+        metadata=_key(_text, '"Qwen/Qwen2.5-VL-7B-Instruct"', "Model identity, part of every key."),
+    )
+    model_revision: str = field(
+        default="",
+        metadata=_key(_text, '"main"', "Model revision, part of every key."),
+    )
+    model_dtype: str = field(
+        default="",
+        metadata=_key(_text, '"bfloat16"', "Encoder output dtype, part of every key."),
+    )
+    embed_width: int = field(
+        default=0,
+        metadata=_key(_int_at_least(0), "3584", "Encoder output width (0: unknown), part of keys."),
+    )
+    tenant_salt: str = field(
+        default="",
+        metadata=_key(_text, '"tenant-42-secret"', "Optional salt: tenants never see each other."),
+    )
+    device: str = field(
+        default="auto",
+        metadata=_key(_device, '"cuda:0"', "Device that get() returns tensors on."),
+    )
+    gpu_cache_bytes: int = field(
+        default=0,
+        metadata=_key(_size, '"2GiB"', "GPU tier budget; 0 turns the GPU tier off."),
+    )
+    cpu_cache_bytes: int = field(
+        default=1 * _GiB,
+        metadata=_key(_size, '"8GiB"', "CPU tier budget (pinned when CUDA is present); 0: off."),
+    )
+    ttl_s: float = field(
+        default=0.0,
+        metadata=_key(_float_at_least(0.0), "86400", "Redis entry lifetime; 0 keeps entries."),
+    )
+    ttl_sliding: bool = field(
+        default=True,
+        metadata=_key(_bool, "true", "Reads renew the TTL (GETEX), so hot entries stay."),
+    )
+    compression: str = field(
+        default="auto",
+        metadata=_key(_compression, '"auto"', "none | lz4 | auto (lz4 only where it pays)."),
+    )
+    compression_min_ratio: float = field(
+        default=1.1,
+        metadata=_key(_float_at_least(1.0), "1.1", "auto: compress only at this ratio or better."),
+    )
+    byte_shuffle: bool = field(
+        default=False,
+        metadata=_key(_bool, "true", "Byte-shuffle before lz4 (bf16: ~1.17x smaller, 2x slower)."),
+    )
+    chunk_bytes: int = field(
+        default=4 * _MiB,
+        metadata=_key(_positive_size, '"4MiB"', "Values above this are split into chunks."),
+    )
+    max_blob_bytes: int = field(
+        default=512 * _MiB,
+        metadata=_key(_positive_size, '"512MiB"', "Largest entry stored or accepted on read."),
+    )
+    redis_connect_timeout_s: float = field(
+        default=1.0,
+        metadata=_key(_float_at_least(0.001), "1.0", "TCP/TLS connect timeout."),
+    )
+    redis_socket_timeout_s: float = field(
+        default=2.0,
+        metadata=_key(_float_at_least(0.001), "2.0", "Per-read/write socket timeout."),
+    )
+    redis_max_connections: int = field(
+        default=16,
+        metadata=_key(_int_at_least(1), "16", "Connection pool bound (blocking pool)."),
+    )
+    redis_retries: int = field(
+        default=1,
+        metadata=_key(_int_at_least(0), "1", "Retries of a failed Redis call (with backoff)."),
+    )
+    redis_backoff_s: float = field(
+        default=0.02,
+        metadata=_key(_float_at_least(0.0), "0.02", "Base of the exponential retry backoff."),
+    )
+    breaker_failures: int = field(
+        default=3,
+        metadata=_key(_int_at_least(1), "3", "Consecutive failures that open the breaker."),
+    )
+    breaker_cooldown_s: float = field(
+        default=1.0,
+        metadata=_key(_float_at_least(0.0), "1.0", "First cool-down; doubles per failed probe."),
+    )
+    breaker_max_cooldown_s: float = field(
+        default=60.0,
+        metadata=_key(_float_at_least(0.0), "60", "Cool-down ceiling."),
+    )
+    write_queue_items: int = field(
+        default=64,
+        metadata=_key(_int_at_least(1), "64", "Pending Redis writes; the oldest is dropped."),
+    )
+    write_queue_bytes: int = field(
+        default=1 * _GiB,
+        metadata=_key(_positive_size, '"1GiB"', "Bytes held by pending writes; oldest dropped."),
+    )
+    writer_threads: int = field(
+        default=1,
+        metadata=_key(_int_at_least(1), "1", "Background threads writing to Redis."),
+    )
+    producer_id: str = field(
+        default="",
+        metadata=_key(_text, '"encoder-0"', "Written into each blob header; default host:pid."),
+    )
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 64 * 1024:
+            raise ConfigError(_message("chunk_bytes", "must be at least 64KiB", self.chunk_bytes))
+        if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
+            raise ConfigError(
+                _message(
+                    "breaker_max_cooldown_s",
+                    "must be >= breaker_cooldown_s",
+                    self.breaker_max_cooldown_s,
+                )
+            )
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every valid configuration key, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None = None) -> CacheConfig:
+        """Parse a plain dict; raise ``ConfigError`` naming the first bad key."""
+        raw = dict(raw or {})
+        valid = cls.keys()
+        unknown = sorted(k for k in raw if k not in valid)
+        if unknown:
+            raise ConfigError(
+                f"unknown ec_redis config key(s) {unknown}; valid keys: {', '.join(valid)}"
+            )
+        parsed: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in raw:
+                continue
+            try:
+                parsed[f.name] = f.metadata["parse"](raw[f.name])
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(_message(f.name, str(exc), raw[f.name])) from None
+        return cls(**parsed)
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as a dict, with any password in ``redis_url`` masked (safe to log)."""
+        out = dataclasses.asdict(self)
+        out["redis_url"] = mask_url(self.redis_url)
+        out["tenant_salt"] = "***" if self.tenant_salt else ""
+        return out
+
+
+def _message(key: str, problem: str, value: object) -> str:
+    example = CacheConfig.__dataclass_fields__[key].metadata["example"]
+    return (
+        f"ec_redis config key {key!r}: {problem} (got {value!r}); example: {{{key!r}: {example}}}"
+    )
+
+
+def mask_url(url: str | None) -> str | None:
+    """Hide the password of a Redis URL: ``redis://user:***@host:6379/0``."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}:***@{netloc}").geturl()

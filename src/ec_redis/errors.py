@@ -1,0 +1,19 @@
+"""The exception hierarchy: one root error, one subclass per broken thing."""
+
+from __future__ import annotations
+
+
+class ECRedisError(Exception):
+    """Root of every error ec_redis raises on purpose."""
+
+
+class ConfigError(ECRedisError, ValueError):
+    """A configuration key is unknown or has a bad value; the message names the key and a fix."""
+
+
+class BlobError(ECRedisError, ValueError):
+    """A stored blob is invalid: corrupt, truncated, foreign, oversized or of another version."""
+
+
+class TensorError(ECRedisError, ValueError):
+    """A tensor cannot be cached: unsupported dtype, layout or size."""

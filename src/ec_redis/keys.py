@@ -1,0 +1,79 @@
+"""Redis key layout: namespace, format version, model fingerprint, escaped full item id.
+
+``{namespace}:v{FORMAT}:{{{fingerprint}.{item}}}`` is an entry's head key; its chunks are
+``<head>:c{i}``. The braces make the whole fingerprint+item the Redis Cluster hash tag, so an
+entry's head and chunks share one slot while different entries spread over every master.
+
+The fingerprint hashes the model identity (name, revision, dtype, width) and the tenant salt,
+so two models or tenants sharing one Redis can never read each other's entries even when a
+client picks the same item id. Item ids are kept whole: characters outside ``[A-Za-z0-9._-]``
+are percent-escaped, and very long ids are replaced by their full SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from ec_redis.codec.format import FORMAT_VERSION
+
+MAX_ITEM_CHARS = 256
+_SAFE = re.compile(r"[A-Za-z0-9._-]")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What makes an encoder output reusable: the same model, revision, dtype and width."""
+
+    name: str
+    revision: str = ""
+    dtype: str = ""
+    width: int = 0
+
+    def fingerprint(self, tenant_salt: str = "") -> str:
+        """A 128-bit hex digest of the identity and the tenant salt."""
+        canonical = json.dumps(
+            [self.name, self.revision, self.dtype, self.width, tenant_salt],
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def escape_item(item: str) -> str:
+    """Escape a client-chosen item id so it can never alter the key's structure."""
+    if not isinstance(item, str) or not item:
+        raise ValueError("an item id must be a non-empty string")
+    escaped = "".join(c if _SAFE.match(c) else _percent(c) for c in item)
+    if len(escaped) > MAX_ITEM_CHARS:
+        # '%' never survives escaping unencoded, so an "h%" prefix cannot collide with an id.
+        return "h%" + hashlib.sha256(item.encode("utf-8", "surrogatepass")).hexdigest()
+    return escaped
+
+
+def _percent(char: str) -> str:
+    return "".join(f"%{b:02X}" for b in char.encode("utf-8", "surrogatepass"))
+
+
+class KeyBuilder:
+    """Builds the Redis keys of one (namespace, model, tenant)."""
+
+    def __init__(self, namespace: str, identity: ModelIdentity, tenant_salt: str = "") -> None:
+        self.namespace = namespace
+        self.identity = identity
+        self.fingerprint = identity.fingerprint(tenant_salt)
+        self.prefix = f"{namespace}:v{FORMAT_VERSION}:{{{self.fingerprint}."
+
+    def head(self, item: str) -> str:
+        """The key holding the entry's header (and the whole blob when it is small)."""
+        return f"{self.prefix}{escape_item(item)}}}"
+
+    @staticmethod
+    def chunk(head: str, index: int) -> str:
+        """The key of chunk ``index`` (1-based) of the entry at ``head``."""
+        return f"{head}:c{index}"
+
+    def pattern(self) -> str:
+        """A SCAN pattern matching every key of this model (heads and chunks)."""
+        return f"{self.namespace}:v{FORMAT_VERSION}:{{{self.fingerprint}.*"

@@ -1,0 +1,141 @@
+"""Background Redis writer: a bounded queue so ``put`` never waits on the network.
+
+The queue is bounded in entries and in bytes. When full, the **oldest** pending write is
+dropped and counted (its data is still in the local tiers; only sharing is lost). A newer
+write of a pending key replaces the older one. Threads are daemons and ``close`` has a
+deadline, so an engine can always exit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ec_redis.logutil import RateLimitedLog
+from ec_redis.stats import Counters
+from ec_redis.tiers.transfer import HostCopy
+
+Sink = Callable[[str, HostCopy], bool]
+
+
+@dataclass
+class _Job:
+    host: HostCopy
+    nbytes: int
+
+
+class BackgroundWriter:
+    def __init__(self, sink: Sink, max_items: int, max_bytes: int, threads: int = 1) -> None:
+        self._sink = sink
+        self._max_items = max_items
+        self._max_bytes = max_bytes
+        self._queue: OrderedDict[str, _Job] = OrderedDict()
+        self._queued_bytes = 0
+        self._in_flight: dict[str, HostCopy] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self.counters = Counters()
+        self._log = RateLimitedLog()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"ec_redis-writer-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, key: str, host: HostCopy) -> bool:
+        """Queue a write; never blocks. Returns False if the writer is closed or it is too big."""
+        nbytes = host.nbytes
+        if nbytes > self._max_bytes:
+            self.counters.inc("dropped_too_large")
+            return False
+        with self._cond:
+            if self._closed:
+                return False
+            old = self._queue.pop(key, None)
+            if old is not None:
+                self._queued_bytes -= old.nbytes
+                self.counters.inc("coalesced")
+            while self._queue and (
+                len(self._queue) >= self._max_items or self._queued_bytes + nbytes > self._max_bytes
+            ):
+                _, dropped = self._queue.popitem(last=False)
+                self._queued_bytes -= dropped.nbytes
+                self.counters.inc("dropped")
+                self._log.warning("drop", "ec_redis: write queue full; dropped the oldest write")
+            self._queue[key] = _Job(host, nbytes)
+            self._queued_bytes += nbytes
+            self.counters.inc("submitted")
+            self._cond.notify()
+        return True
+
+    def pending(self, key: str) -> HostCopy | None:
+        """The host copy of a write not yet in Redis (read-your-writes)."""
+        with self._cond:
+            job = self._queue.get(key)
+            return job.host if job is not None else self._in_flight.get(key)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write is done; False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._in_flight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop taking writes, drain for up to ``timeout_s``, stop the threads."""
+        drained = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            abandoned = len(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+        self.counters.inc("abandoned_on_close", abandoned)
+        deadline = time.monotonic() + max(timeout_s, 0.1)
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return drained
+
+    def depth(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._queue) + len(self._in_flight), self._queued_bytes
+
+    def threads_alive(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                key, job = self._queue.popitem(last=False)
+                self._queued_bytes -= job.nbytes
+                self._in_flight[key] = job.host
+            try:
+                job.host.wait()  # the device->host copy, if any
+                ok = self._sink(key, job.host)
+                self.counters.inc("written" if ok else "failed")
+            except Exception as exc:  # the writer must survive any bug in a sink
+                self.counters.inc("failed")
+                self._log.warning("sink", "ec_redis: write of %r failed: %r", key, exc)
+            finally:
+                with self._cond:
+                    if self._in_flight.get(key) is job.host:
+                        del self._in_flight[key]
+                    self._cond.notify_all()
+
+    def stats(self) -> dict[str, float]:
+        depth, queued = self.depth()
+        out = self.counters.snapshot()
+        out.update({"queue_depth": float(depth), "queue_bytes": float(queued)})
+        return out
