@@ -116,13 +116,13 @@ def _version(binary: str) -> str:
 
 
 def _wait_for_port(
-    port: int, process: subprocess.Popen[bytes] | None, timeout_s: float = 10
+    port: int, process: subprocess.Popen[bytes] | None, log_path: str | None, timeout_s: float = 10
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            err = process.stderr.read().decode(errors="replace") if process.stderr else ""
-            raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+            with open(log_path or os.devnull, errors="replace") as log:
+                raise RuntimeError(f"redis-server exited at start: {log.read().strip()}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
