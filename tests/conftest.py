@@ -1,0 +1,62 @@
+"""Shared fixtures: real redis-server processes on free ports, fakeredis, and small tensors."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import fakeredis
+import pytest
+import redis
+import torch
+
+from ec_redis.embedded import EmbeddedRedis
+
+HAS_REDIS_SERVER = shutil.which("redis-server") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "redis" in item.keywords and not HAS_REDIS_SERVER:
+            # CI installs redis-server (.ci/run); elsewhere say clearly why these did not run.
+            item.add_marker(pytest.mark.skip(reason="needs the redis-server binary"))
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """One real redis-server for the session (tests flush it between uses)."""
+    server = EmbeddedRedis.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
+    """URL of the session's real Redis, emptied before each test."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    yield redis_server.url
+
+
+@pytest.fixture
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A real redis-server of this test's own, for tests that kill, pause or restart it."""
+    server = EmbeddedRedis.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake_client() -> fakeredis.FakeRedis:
+    """An in-process fakeredis client: logic only, proves nothing about the wire."""
+    return fakeredis.FakeRedis()
+
+
+def embedding(rows: int = 64, width: int = 128, seed: int = 0) -> torch.Tensor:
+    """A bf16 encoder-output-shaped tensor with deterministic contents."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=gen).to(torch.bfloat16)
