@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 
@@ -21,7 +22,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "redis" in item.keywords and not HAS_REDIS_SERVER:
-            # CI installs redis-server (.ci/run); elsewhere say clearly why these did not run.
+            if os.environ.get("EC_REDIS_REQUIRE_REDIS") == "1":
+                raise pytest.UsageError("redis-server is required (scripts/test.sh installs it)")
             item.add_marker(pytest.mark.skip(reason="needs the redis-server binary"))
 
 

@@ -98,13 +98,23 @@ class TieredCache:
             if out[key] is None:
                 remote.append(key)
         if remote and self.redis is not None and not self._closed:
-            for key, host_tensor in self.redis.get_many(remote).items():
+            for key, host_tensor in self._redis_get_many(remote).items():
                 if host_tensor is not None:
                     out[key] = self._promote(key, HostCopy(host_tensor))
         hits = sum(v is not None for v in out.values())
         self.counters.inc("hits", hits)
         self.counters.inc("misses", len(out) - hits)
         return out
+
+    def _redis_get_many(self, keys: list[str]) -> dict[str, torch.Tensor | None]:
+        """Redis lookups; the tier turns Redis faults into misses, this guards against bugs."""
+        assert self.redis is not None
+        try:
+            return self.redis.get_many(keys)
+        except Exception as exc:  # a cache read must never take a vLLM step down with it
+            self.counters.inc("internal_errors")
+            self._log.warning("internal", "ec_redis: unexpected error in a Redis read: %r", exc)
+            return {}
 
     def _get_local(self, key: str) -> torch.Tensor | None:
         tensor = self.gpu.get(key) if self.gpu.enabled else None

@@ -75,7 +75,7 @@ def _text(value: object) -> str:
 
 def _name(value: object) -> str:
     text = _text(value)
-    if not _NAME_RE.match(text):
+    if not _NAME_RE.fullmatch(text):
         raise ValueError("use 1-64 characters from A-Z a-z 0-9 . _ -")
     return text
 
@@ -99,7 +99,7 @@ def _redis_url(value: object) -> str | None:
 
 def _device(value: object) -> str:
     text = _text(value)
-    if text != "auto" and not re.match(r"^(cpu|cuda(:\d+)?)$", text):
+    if text != "auto" and not re.fullmatch(r"^(cpu|cuda(:\d+)?)$", text):
         raise ValueError("use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     return text
 
@@ -267,7 +267,8 @@ class CacheConfig:
             try:
                 parsed[f.name] = f.metadata["parse"](raw[f.name])
             except (TypeError, ValueError) as exc:
-                raise ConfigError(_message(f.name, str(exc), raw[f.name])) from None
+                shown = _masked(raw[f.name]) if f.name == "redis_url" else raw[f.name]
+                raise ConfigError(_message(f.name, str(exc), shown)) from None
         return cls(**parsed)
 
     def describe(self) -> dict[str, Any]:
@@ -283,6 +284,16 @@ def _message(key: str, problem: str, value: object) -> str:
     return (
         f"ec_redis config key {key!r}: {problem} (got {value!r}); example: {{{key!r}: {example}}}"
     )
+
+
+def _masked(value: object) -> object:
+    """A rejected redis_url as it may appear in an error message (password hidden)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return mask_url(value)
+    except ValueError:
+        return "***"
 
 
 def mask_url(url: str | None) -> str | None:

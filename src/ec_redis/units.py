@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -46,7 +47,7 @@ def parse_bytes(value: object) -> int:
             number, unit = match.groups()
             factor = _UNITS.get(unit.lower())
             if factor is not None:
-                return int(float(number) * factor)
+                return int(Decimal(number) * factor)  # exact: float(2.01) * 1000 < 2010
     raise ValueError(f"expected a byte size such as 4194304 or '4MiB', got {value!r}")
 
 

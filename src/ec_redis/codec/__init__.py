@@ -88,16 +88,21 @@ def encode_parts(
 
     codec, flags = CODEC_NONE, 0
     payload: list[Buffer] = [st_prefix, data]
-    if compression != "none" and len(data) > 0:
-        body = shuffle(flat, dtype.itemsize) if byte_shuffle else flat
-        body_view = body.numpy().data
-        if compression == "lz4" or probe_ratio(body_view) >= min_ratio:
-            packed = lz4_compress(b"".join((st_prefix, body_view)))
-            if compression == "lz4" or raw_len / max(len(packed), 1) >= min_ratio:
-                codec, flags = CODEC_LZ4, FLAG_SHUFFLED if byte_shuffle else 0
-                payload = [memoryview(packed)]
-    elif compression not in ("none", "lz4", "auto"):
+    if compression not in ("none", "lz4", "auto"):
         raise TensorError(f"unknown compression {compression!r}; use none, lz4 or auto")
+    wanted = len(data) > 0 and (
+        compression == "lz4"
+        or (
+            compression == "auto"
+            and _worth_compressing(data, dtype.itemsize, byte_shuffle, min_ratio)
+        )
+    )
+    if wanted:
+        body = shuffle(data, dtype.itemsize) if byte_shuffle else data
+        packed = lz4_compress(b"".join((st_prefix, body)))
+        if compression == "lz4" or raw_len / max(len(packed), 1) >= min_ratio:
+            codec, flags = CODEC_LZ4, FLAG_SHUFFLED if byte_shuffle else 0
+            payload = [memoryview(packed)]
 
     payload_len = sum(len(p) for p in payload)
     producer = _producer_bytes(producer_id, time.time() if created_s is None else created_s)
@@ -159,9 +164,12 @@ def read_header(head: Buffer, *, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES) -
     shape = tuple(dims[:ndim])
     if raw_len > max_blob_bytes or payload_len > max_blob_bytes:
         raise BlobError(f"blob declares {max(raw_len, payload_len)} bytes > {max_blob_bytes}")
-    numel = 1
+    numel, span = 1, 1
     for dim in shape:
         numel *= dim
+        span *= max(dim, 1)
+    if span >= 2**63:  # an empty shape is not bounded by numel; torch cannot hold this one
+        raise BlobError(f"shape {shape} is too large")
     st_len = raw_len - numel * dtype.itemsize
     if not 8 <= st_len <= 8 + MAX_HEADER_BYTES:
         raise BlobError("declared sizes disagree with dtype and shape")
@@ -169,7 +177,7 @@ def read_header(head: Buffer, *, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES) -
         raise BlobError("raw payload length differs from the document length")
     try:
         producer = json.loads(producer_raw.decode("utf-8")) if producer_len else {}
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BlobError(f"producer info is not UTF-8 JSON: {exc}") from None
     if not isinstance(producer, dict):
         raise BlobError("producer info must be a JSON object")
@@ -220,15 +228,14 @@ def decode_parts(
     if header.codec == CODEC_NONE:
         return _decode_raw(header, parts[0], pieces, st_len)
     payload = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    doc = lz4_decompress(payload, header.raw_len)
-    data = torch.frombuffer(doc, dtype=torch.uint8, offset=st_len) if header.tensor_nbytes else None
-    if data is not None and header.shuffled:
-        data = unshuffle(data, header.dtype.itemsize)
-    hasher = xxhash.xxh3_64(memoryview(doc)[:st_len])
-    if data is not None:
-        hasher.update(data.numpy().data)
-    _check(header, hasher.intdigest(), memoryview(doc)[:st_len])
-    return _as_tensor(header, data)
+    doc = memoryview(lz4_decompress(payload, header.raw_len))
+    body = unshuffle(doc[st_len:], header.dtype.itemsize) if header.shuffled else doc[st_len:]
+    hasher = xxhash.xxh3_64(doc[:st_len])
+    hasher.update(body)
+    _check(header, hasher.intdigest(), doc[:st_len])
+    if not header.tensor_nbytes:
+        return _as_tensor(header, None)
+    return _as_tensor(header, torch.frombuffer(body, dtype=torch.uint8))
 
 
 def _decode_raw(
@@ -283,6 +290,15 @@ class _Concat:
         if self._pos >= len(self._pieces[self._index]):
             self._index += 1
             self._pos = 0
+
+
+def _worth_compressing(
+    data: memoryview, itemsize: int, byte_shuffle: bool, min_ratio: float
+) -> bool:
+    """The "auto" probe: lz4 a few samples (shuffled like the real payload would be)."""
+    return (
+        probe_ratio(data, (lambda s: shuffle(s, itemsize)) if byte_shuffle else None) >= min_ratio
+    )
 
 
 def _check(header: BlobHeader, actual: int, prefix: Buffer) -> None:

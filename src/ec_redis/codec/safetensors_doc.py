@@ -40,7 +40,7 @@ def parse_header(prefix: bytes | memoryview, dtype: DType, shape: tuple[int, ...
         raise BlobError(f"safetensors header length {length} disagrees with the blob header")
     try:
         meta = json.loads(bytes(prefix[_LEN.size :]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BlobError(f"safetensors header is not UTF-8 JSON: {exc}") from None
     if not isinstance(meta, dict) or set(meta) - {TENSOR_NAME, "__metadata__"}:
         raise BlobError(f"safetensors header must hold exactly one tensor, {TENSOR_NAME!r}")

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The test command: installs everything the tests need, then lint, type check and tests.
+# Fails on any lint/type/test failure and when no test ran (pytest exit code 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Real Redis tests need the redis-server binary; install it when missing (Debian/Ubuntu).
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "test.sh: installing redis-server" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server
+fi
+
+# torch is pinned so a CPU machine never pulls a multi-GB CUDA build; override with
+# EC_REDIS_TORCH (e.g. EC_REDIS_TORCH=torch) on a GPU machine.
+python3 -m venv .venv
+.venv/bin/python -m pip install -q "${EC_REDIS_TORCH:-torch==2.13.0}"
+.venv/bin/python -m pip install -q -e '.[test]'
+
+.venv/bin/ruff check src tests
+.venv/bin/ruff format --check src tests
+.venv/bin/mypy
+# EC_REDIS_REQUIRE_REDIS: a missing redis-server fails the run instead of skipping tests.
+EC_REDIS_REQUIRE_REDIS=1 .venv/bin/python -m pytest -p no:cacheprovider "$@"

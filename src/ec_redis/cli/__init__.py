@@ -1,0 +1,1 @@
+"""The ``ec-redis`` command line."""
