@@ -8,6 +8,7 @@ module reads dicts or environment variables.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,8 +41,8 @@ def _float_at_least(minimum: float) -> Callable[[object], float]:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError(f"expected a number, got {value!r}")
         number = float(value)
-        if not number >= minimum:  # also rejects NaN
-            raise ValueError(f"must be >= {minimum}, got {value!r}")
+        if not math.isfinite(number) or not number >= minimum:  # rejects NaN and inf
+            raise ValueError(f"must be a finite number >= {minimum}, got {value!r}")
         return number
 
     return parse

@@ -7,7 +7,7 @@ entry's head and chunks share one slot while different entries spread over every
 The fingerprint hashes the model identity (name, revision, dtype, width) and the tenant salt,
 so two models or tenants sharing one Redis can never read each other's entries even when a
 client picks the same item id. Item ids are kept whole: characters outside ``[A-Za-z0-9._-]``
-are percent-escaped, and very long ids are replaced by their full SHA-256.
+are percent-escaped, and very long ids are replaced by ``%h`` + their full SHA-256.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ec_redis.codec.format import FORMAT_VERSION
 
 MAX_ITEM_CHARS = 256
+HASHED_PREFIX = "%h"
 _SAFE = re.compile(r"[A-Za-z0-9._-]")
 
 
@@ -47,8 +48,9 @@ def escape_item(item: str) -> str:
         raise ValueError("an item id must be a non-empty string")
     escaped = "".join(c if _SAFE.match(c) else _percent(c) for c in item)
     if len(escaped) > MAX_ITEM_CHARS:
-        # '%' never survives escaping unencoded, so an "h%" prefix cannot collide with an id.
-        return "h%" + hashlib.sha256(item.encode("utf-8", "surrogatepass")).hexdigest()
+        # Escaping only ever writes '%' before two uppercase hex digits, so "%h" can never
+        # start an escaped id: hashed and escaped ids live in disjoint sets.
+        return HASHED_PREFIX + hashlib.sha256(item.encode("utf-8", "surrogatepass")).hexdigest()
     return escaped
 
 

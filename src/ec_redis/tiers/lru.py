@@ -41,10 +41,10 @@ class ByteLRU(Generic[V]):
     def put(self, key: str, value: V) -> list[tuple[str, V]] | None:
         """Insert; return the evicted entries, or ``None`` if ``value`` can never fit."""
         size = self._getsizeof(value)
+        self.pop(key)  # a replaced value is not an eviction; a refused one must not stay
         if size > self.maxsize:
             return None
         evicted: list[tuple[str, V]] = []
-        self.pop(key)  # a replaced value is not an eviction
         while self.currsize + size > self.maxsize and self._data:
             old_key, (old_value, old_size) = self._data.popitem(last=False)
             self.currsize -= old_size

@@ -236,7 +236,8 @@ class RedisTier(Tier):
         """UNLINK, not DEL: freeing a 100 MB value must not block Redis."""
         keys = [head_key]
         if header is not None and head_len < header.total_len:
-            n = _chunk_count(header, head_len) if header.part_bytes else 0
+            # a head declaring parts below the floor (forged) is never read: delete just it
+            n = _chunk_count(header, head_len) if header.part_bytes >= MIN_PART_BYTES else 0
             keys += [self.keys.chunk(head_key, i) for i in range(1, n + 1)]
         try:
             self.client.unlink(*keys)
