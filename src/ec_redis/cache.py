@@ -93,7 +93,7 @@ class TieredCache:
         """Look up several ids; the Redis misses of local tiers go in one pipelined batch."""
         out: dict[str, torch.Tensor | None] = {}
         remote: list[str] = []
-        for key in dict.fromkeys(keys):
+        for key in dict.fromkeys(map(_check_key, keys)):
             out[key] = self._get_local(key)
             if out[key] is None:
                 remote.append(key)
@@ -152,11 +152,14 @@ class TieredCache:
 
         Raises ``TensorError`` for tensors the format cannot hold (a caller bug).
         """
+        _check_key(key)
         _check_tensor(tensor)
         if self._closed:
             return
         tensor = tensor.detach()
         on_gpu = self.gpu.put(key, tensor)
+        if on_gpu:
+            self.cpu.delete(key)  # an older CPU copy would outlive it: spills skip such keys
         if on_gpu and self.writer is None:
             return
         host = self._transfer.to_host(tensor)
@@ -169,6 +172,8 @@ class TieredCache:
         """Remove ``key`` from every tier (UNLINK in Redis)."""
         self.gpu.delete(key)
         self.cpu.delete(key)
+        if self.writer is not None:
+            self.writer.discard(key)  # a queued write would serve and then resurrect it
         if self.redis is not None:
             self.redis.delete(key)
 
@@ -218,9 +223,17 @@ class TieredCache:
         return out
 
 
+def _check_key(key: str) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"an item id must be a non-empty string, got {key!r}")
+    return key
+
+
 def _check_tensor(tensor: torch.Tensor) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TensorError(f"dense tensors only, got layout {tensor.layout}")
     if tensor.dtype not in BY_TORCH:
         raise TensorError(f"dtype {tensor.dtype} is not supported")
     if not 1 <= tensor.dim() <= MAX_NDIM:

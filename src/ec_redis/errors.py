@@ -15,5 +15,10 @@ class BlobError(ECRedisError, ValueError):
     """A stored blob is invalid: corrupt, truncated, foreign, oversized or of another version."""
 
 
+class BlobTooLargeError(BlobError):
+    """A well-formed blob declares more bytes than this reader's ``max_blob_bytes``: a miss for
+    this reader, not a corrupt entry (a reader with a larger limit may still use it)."""
+
+
 class TensorError(ECRedisError, ValueError):
     """A tensor cannot be cached: unsupported dtype, layout or size."""

@@ -72,6 +72,14 @@ class BackgroundWriter:
             self._cond.notify()
         return True
 
+    def discard(self, key: str) -> None:
+        """Forget a queued write of ``key`` (one already in flight still completes)."""
+        with self._cond:
+            job = self._queue.pop(key, None)
+            if job is not None:
+                self._queued_bytes -= job.nbytes
+                self._cond.notify_all()
+
     def pending(self, key: str) -> HostCopy | None:
         """The host copy of a write not yet in Redis (read-your-writes)."""
         with self._cond:

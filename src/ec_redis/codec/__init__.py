@@ -41,7 +41,7 @@ from ec_redis.codec.format import (
     DType,
 )
 from ec_redis.codec.safetensors_doc import MAX_HEADER_BYTES, build_header, parse_header
-from ec_redis.errors import BlobError, TensorError
+from ec_redis.errors import BlobError, BlobTooLargeError, TensorError
 
 __all__ = [
     "DEFAULT_MAX_BLOB_BYTES",
@@ -163,7 +163,9 @@ def read_header(head: Buffer, *, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES) -
         raise BlobError(f"invalid rank {ndim} for shape {dims}")
     shape = tuple(dims[:ndim])
     if raw_len > max_blob_bytes or payload_len > max_blob_bytes:
-        raise BlobError(f"blob declares {max(raw_len, payload_len)} bytes > {max_blob_bytes}")
+        raise BlobTooLargeError(
+            f"blob declares {max(raw_len, payload_len)} bytes > {max_blob_bytes}"
+        )
     numel, span = 1, 1
     for dim in shape:
         numel *= dim

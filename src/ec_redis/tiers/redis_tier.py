@@ -21,7 +21,7 @@ import torch
 from ec_redis.breaker import CircuitBreaker
 from ec_redis.codec import decode_parts, encode_parts, read_header
 from ec_redis.codec.format import HEADER_SIZE, MAX_PRODUCER_BYTES, BlobHeader
-from ec_redis.errors import BlobError
+from ec_redis.errors import BlobError, BlobTooLargeError
 from ec_redis.keys import KeyBuilder
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -71,11 +71,12 @@ class RedisTier(Tier):
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor | None]:
         items = list(dict.fromkeys(keys))
         out: dict[str, torch.Tensor | None] = dict.fromkeys(items)
+        head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
         if not items or not self._allow():
             return out
         started = time.perf_counter()
         try:
-            heads = self._read([self.keys.head(item) for item in items])
+            heads = self._read(head_keys)
             pending: list[tuple[str, str, bytes, BlobHeader, int]] = []
             for item, head in zip(items, heads, strict=True):
                 self._classify(item, head, out, pending)
@@ -118,6 +119,10 @@ class RedisTier(Tier):
                 out[item] = decode_parts([head], header=header)
                 return
             n = _chunk_count(header, len(head))
+        except BlobTooLargeError:
+            # Valid but over *our* limit: a miss here; a reader with a larger limit may use it.
+            self.counters.inc("oversized")
+            return
         except BlobError as exc:
             self._reject(item, head_key, None, len(head), exc)
             return
@@ -152,12 +157,13 @@ class RedisTier(Tier):
 
     def contains_many(self, keys: Iterable[str]) -> dict[str, bool]:
         items = list(dict.fromkeys(keys))
+        head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
         if not items or not self._allow():
             return dict.fromkeys(items, False)
         try:
             pipe = self.client.pipeline(transaction=False)
-            for item in items:
-                pipe.exists(self.keys.head(item))
+            for head_key in head_keys:
+                pipe.exists(head_key)
             found = pipe.execute()
         except REDIS_ERRORS as exc:
             self._failed("exists", exc)
@@ -183,10 +189,10 @@ class RedisTier(Tier):
             self.counters.inc("write_rejected")
             self._log.warning("encode", "ec_redis: not storing %r: %s", key, exc)
             return False
+        head_key = self.keys.head(key)  # a bad id raises before taking a half-open probe
         if not self._allow():
             self.counters.inc("write_skipped_breaker_open")
             return False
-        head_key = self.keys.head(key)
         started = time.perf_counter()
         try:
             pipe = self.client.pipeline(transaction=False)
