@@ -81,11 +81,17 @@ def _name(value: object) -> str:
     return text
 
 
-def _compression(value: object) -> str:
-    text = _text(value).lower()
-    if text not in COMPRESSIONS:
-        raise ValueError(f"must be one of {', '.join(COMPRESSIONS)}")
-    return text
+def _choice(*choices: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        text = _text(value).lower()
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+_compression = _choice(*COMPRESSIONS)
 
 
 def _redis_url(value: object) -> str | None:
@@ -249,28 +255,14 @@ class CacheConfig:
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         """Every valid configuration key, in declaration order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return _keys(cls)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None = None) -> CacheConfig:
         """Parse a plain dict; raise ``ConfigError`` naming the first bad key."""
         raw = dict(raw or {})
-        valid = cls.keys()
-        unknown = sorted(k for k in raw if k not in valid)
-        if unknown:
-            raise ConfigError(
-                f"unknown ec_redis config key(s) {unknown}; valid keys: {', '.join(valid)}"
-            )
-        parsed: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in raw:
-                continue
-            try:
-                parsed[f.name] = f.metadata["parse"](raw[f.name])
-            except (TypeError, ValueError) as exc:
-                shown = _masked(raw[f.name]) if f.name == "redis_url" else raw[f.name]
-                raise ConfigError(_message(f.name, str(exc), shown)) from None
-        return cls(**parsed)
+        _reject_unknown(raw, cls.keys())
+        return cls(**_parse_fields(cls, raw))
 
     def describe(self) -> dict[str, Any]:
         """The settings as a dict, with any password in ``redis_url`` masked (safe to log)."""
@@ -280,8 +272,84 @@ class CacheConfig:
         return out
 
 
-def _message(key: str, problem: str, value: object) -> str:
-    example = CacheConfig.__dataclass_fields__[key].metadata["example"]
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """Settings of the vLLM connector on top of the cache's (same dict, other keys)."""
+
+    consumer_wait_s: float = field(
+        default=5.0,
+        metadata=_key(
+            _float_at_least(0.0),
+            "5.0",
+            "ec_consumer: how long a request waits for an item to appear in Redis.",
+        ),
+    )
+    on_missing: str = field(
+        default="encode",
+        metadata=_key(
+            _choice("encode", "fail"),
+            '"encode"',
+            "Item still missing after the wait: encode locally, or fail the request (retryable).",
+        ),
+    )
+    stage_bytes: int = field(
+        default=2 * _GiB,
+        metadata=_key(_size, '"2GiB"', "Bytes of fetched items held until their step loads them."),
+    )
+    lookup_threads: int = field(
+        default=2,
+        metadata=_key(_int_at_least(1), "2", "Scheduler-side threads fetching from Redis."),
+    )
+    recheck_s: float = field(
+        default=0.05,
+        metadata=_key(_float_at_least(0.001), "0.05", "Interval between looks for a missing item."),
+    )
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return _keys(cls)
+
+
+def parse_extra_config(raw: Mapping[str, Any] | None) -> tuple[CacheConfig, ConnectorOptions]:
+    """Split vLLM's ``ec_connector_extra_config`` into the cache's and the connector's keys."""
+    raw = dict(raw or {})
+    cache_keys, connector_keys = CacheConfig.keys(), ConnectorOptions.keys()
+    _reject_unknown(raw, cache_keys + connector_keys)
+    cache = CacheConfig(**_parse_fields(CacheConfig, {k: raw[k] for k in raw if k in cache_keys}))
+    options = ConnectorOptions(
+        **_parse_fields(ConnectorOptions, {k: raw[k] for k in raw if k in connector_keys})
+    )
+    return cache, options
+
+
+def _keys(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _reject_unknown(raw: Mapping[str, Any], valid: tuple[str, ...]) -> None:
+    unknown = sorted(k for k in raw if k not in valid)
+    if unknown:
+        raise ConfigError(
+            f"unknown ec_redis config key(s) {unknown}; valid keys: {', '.join(valid)}"
+        )
+
+
+def _parse_fields(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        try:
+            parsed[f.name] = f.metadata["parse"](raw[f.name])
+        except (TypeError, ValueError) as exc:
+            shown = _masked(raw[f.name]) if f.name == "redis_url" else raw[f.name]
+            raise ConfigError(_message(f.name, str(exc), shown, f.metadata["example"])) from None
+    return parsed
+
+
+def _message(key: str, problem: str, value: object, example: str | None = None) -> str:
+    if example is None:
+        example = CacheConfig.__dataclass_fields__[key].metadata["example"]
     return (
         f"ec_redis config key {key!r}: {problem} (got {value!r}); example: {{{key!r}: {example}}}"
     )

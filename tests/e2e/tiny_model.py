@@ -1,0 +1,182 @@
+"""A tiny random-weight LLaVA-1.5 model built locally in seconds, and deterministic test images.
+
+No hub is reachable in CI, so the end-to-end tests make their own multimodal model:
+a byte-level BPE tokenizer trained on a few sentences, a 2-layer CLIP vision tower
+(56 px images, 14 px patches, so 16 image tokens) and a 2-layer Llama LM. Only the seed
+changes the weights, so two seeds give two genuinely different models.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from pathlib import Path
+
+from PIL import Image
+
+IMAGE_SIZE = 56
+PATCH_SIZE = 14
+NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # the CLS position is dropped ("default")
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+IMAGE_TOKEN_ID = SPECIAL_TOKENS.index("<image>")
+# Raw LLaVA-1.5 prompt; the saved chat template renders the same shape.
+RAW_PROMPT = "USER: <image>\n{question} ASSISTANT:"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %} "
+    "{% else %}ASSISTANT: {{ message['content'] if message['content'] is string "
+    "else message['content'][0]['text'] }}</s>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+_CORPUS = [
+    "USER: What is shown in this image? ASSISTANT: A small picture of colored squares.",
+    "USER: Describe the image in one word. ASSISTANT: Noise.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Encoder outputs travel from the producer to the consumer through Redis.",
+    "A cat, a dog and a bird sit on a red, green and blue fence.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9. Punctuation: , . ? ! : ; ' \" ( )",
+]
+_DONE_MARKER = ".tiny_llava_done"
+
+
+def build_tiny_llava(path: Path, seed: int = 0, name_suffix: str = "") -> Path:
+    """Build the model under ``path`` and return its directory.
+
+    The directory is ``path / f"tiny-llava-s{seed}{name_suffix}"``; ``name_suffix`` lets a
+    test hold two copies of the same weights under different model ids. A directory that
+    was already built completely is reused as is.
+    """
+    model_dir = Path(path) / f"tiny-llava-s{seed}{name_suffix}"
+    if (model_dir / _DONE_MARKER).exists():
+        return model_dir
+    model_dir.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = _build_tokenizer()
+    vision_config = CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        projection_dim=64,
+    )
+    text_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    config = LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=IMAGE_TOKEN_ID,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        image_seq_length=NUM_IMAGE_TOKENS,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.save_pretrained(model_dir)
+    _fix_vision_tower_keys(model_dir / "model.safetensors")
+
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        do_center_crop=True,
+        do_convert_rgb=True,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's CLS position, dropped by "default"
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(model_dir)
+    (model_dir / _DONE_MARKER).write_text(json.dumps({"seed": seed}))
+    return model_dir
+
+
+def _build_tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_CORPUS, trainer=trainer)
+    assert bpe.token_to_id("<image>") == IMAGE_TOKEN_ID
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+        add_bos_token=True,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _fix_vision_tower_keys(weights: Path) -> None:
+    """transformers 5 saves ``vision_tower.*``; vLLM 0.32 loads ``vision_tower.vision_model.*``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    renamed = {}
+    for key, tensor in tensors.items():
+        prefix, sep, rest = key.partition("vision_tower.")
+        if sep and not rest.startswith("vision_model."):
+            key = f"{prefix}vision_tower.vision_model.{rest}"
+        renamed[key] = tensor
+    save_file(renamed, weights, metadata={"format": "pt"})
+
+
+def make_image(seed: int) -> Image.Image:
+    """A deterministic 56x56 RGB image of random coloured pixels."""
+    rng = random.Random(seed)
+    data = bytes(rng.randrange(256) for _ in range(IMAGE_SIZE * IMAGE_SIZE * 3))
+    return Image.frombytes("RGB", (IMAGE_SIZE, IMAGE_SIZE), data)
+
+
+def image_data_url(img: Image.Image) -> str:
+    """The image as a base64 PNG ``data:`` URL, as an OpenAI-style client sends it."""
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
