@@ -132,8 +132,12 @@ class CacheConfig:
         metadata=_key(_name, '"ecr"', "Key prefix; separates deployments sharing one Redis."),
     )
     model_name: str = field(
-        default="default",
-        metadata=_key(_text, '"Qwen/Qwen2.5-VL-7B-Instruct"', "Model identity, part of every key."),
+        default="",
+        metadata=_key(
+            _text,
+            '"Qwen/Qwen2.5-VL-7B-Instruct"',
+            "Model identity, part of every key (connector: vLLM's model when empty).",
+        ),
     )
     model_revision: str = field(
         default="",

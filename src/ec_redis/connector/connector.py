@@ -1,0 +1,213 @@
+"""ECRedisConnector: vLLM's Encoder-Cache connector over ec_redis's tiered cache.
+
+A thin facade: vLLM builds one instance per role — the scheduler half in the engine core,
+the worker half in every worker process — and each delegates to ``SchedulerSide`` or
+``WorkerSide``. Configuration comes from ``ec_connector_extra_config`` (parsed once; a bad key
+fails engine start-up with the key and an example); the model identity comes from vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+
+from ec_redis.config import parse_extra_config
+from ec_redis.connector import shared
+from ec_redis.connector.scheduler import SchedulerSide, TensorCheck
+from ec_redis.connector.stats import (
+    Deltas,
+    ECRedisPromMetrics,
+    ECRedisStats,
+    cache_counters,
+)
+from ec_redis.connector.worker import WorkerSide
+from ec_redis.keys import ModelIdentity
+from ec_redis.logutil import logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class ECRedisConnector(ECConnectorBase):
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        extra = vllm_config.ec_transfer_config.ec_connector_extra_config
+        config, options = parse_extra_config(extra)
+        self.identity = model_identity(vllm_config, config)
+        self._cache = shared.acquire(config, self.identity)
+        self._deltas = Deltas()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == ECConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self._cache,
+                options,
+                TensorCheck(_model_dtype(vllm_config), _width_lookup(vllm_config)),
+                is_producer=self.is_producer,
+                is_consumer=self.is_consumer,
+            )
+        else:
+            self._worker = WorkerSide(
+                self._cache,
+                _rank_device(),
+                is_producer=self.is_producer,
+                saves=self.is_producer and _tp_rank() == 0,
+            )
+        logger.info(
+            "ec_redis: %s connector (%s) for %s; redis %s",
+            role.name.lower(),
+            vllm_config.ec_transfer_config.ec_role,
+            self.identity,
+            config.describe()["redis_url"] or "off (local tiers only)",
+        )
+        self._closed = False
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load_caches(encoder_cache, self._connector_metadata)
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        if self._worker is not None and self.is_producer:  # V1 calls this on consumers too
+            self._worker.save_caches(encoder_cache, mm_hash)
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        encoder_cache = kwargs.get("encoder_cache")
+        if self._worker is not None and self.is_producer and encoder_cache is not None:
+            self._worker.start_save_caches(encoder_cache)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self._scheduler is not None and self._scheduler.has_cache_item(identifier)
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        if self._scheduler is None:
+            return True
+        return self._scheduler.ensure_cache_available(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, index)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        assert self._scheduler is not None, "build_connector_meta is a scheduler-side hook"
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def update_state_after_free(self, request: Request, index: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_free(request, index)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self._scheduler.take_unavailable_requests() if self._scheduler else set()
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # -- both sides -------------------------------------------------------------------------
+
+    def get_ec_connector_stats(self) -> ECRedisStats | None:
+        data = self.stats_snapshot()
+        stats = ECRedisStats(data=self._deltas(data))
+        return None if stats.is_empty() else stats
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """Cumulative counters of this half plus its cache (for tests and tools)."""
+        side = self._scheduler or self._worker
+        data = cache_counters(self._cache.stats()) if self._scheduler is not None else {}
+        if side is not None:
+            data.update(side.stats_data())
+        return data
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        shared.release(self._cache)
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECRedisStats | None:
+        return ECRedisStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECRedisPromMetrics:
+        return ECRedisPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def model_identity(vllm_config: Any, config: Any) -> ModelIdentity:
+    """The model identity every key carries; explicit config values override vLLM's."""
+    model = vllm_config.model_config
+    return ModelIdentity(
+        name=config.model_name or str(model.model),
+        revision=config.model_revision or str(model.revision or ""),
+        dtype=config.model_dtype or str(_model_dtype(vllm_config)).removeprefix("torch."),
+        width=config.embed_width or int(model.get_hidden_size()),
+    )
+
+
+def _model_dtype(vllm_config: Any) -> torch.dtype:
+    dtype = vllm_config.model_config.dtype
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+
+
+def _width_lookup(vllm_config: Any) -> Any:
+    """Encoder output width per modality: measured at producer start-up, else unknown."""
+
+    def width_for(modality: str) -> int | None:
+        widths = getattr(vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
+        width = widths.get(modality)
+        return int(width) if width else None
+
+    return width_for
+
+
+def _rank_device() -> torch.device:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return torch.device(f"{current_platform.device_type}:{current_platform.current_device()}")
+    return torch.device("cpu")
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        model_parallel_is_initialized,
+    )
+
+    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0

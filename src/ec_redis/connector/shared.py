@@ -1,0 +1,44 @@
+"""One TieredCache per process and configuration, shared by the scheduler and worker halves.
+
+With vLLM's single-process executor both halves live in the engine-core process; sharing one
+cache lets items this instance saved be found locally and keeps one set of byte budgets.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ec_redis.cache import TieredCache
+from ec_redis.config import CacheConfig
+from ec_redis.keys import ModelIdentity
+
+_lock = threading.Lock()
+_caches: dict[tuple[CacheConfig, ModelIdentity], tuple[TieredCache, int]] = {}
+
+
+def acquire(config: CacheConfig, identity: ModelIdentity) -> TieredCache:
+    """The process's cache for ``(config, identity)``, created on first use."""
+    key = (config, identity)
+    with _lock:
+        cache, users = _caches.get(key, (None, 0))
+        if cache is None:
+            cache = TieredCache(config, identity=identity)
+        _caches[key] = (cache, users + 1)
+        return cache
+
+
+def release(cache: TieredCache, timeout_s: float = 5.0) -> None:
+    """Drop one user; the last one closes the cache (draining writes up to ``timeout_s``)."""
+    with _lock:
+        key = (cache.config, cache.identity)
+        current, users = _caches.get(key, (None, 0))
+        if current is not cache:
+            closing = True
+        elif users > 1:
+            _caches[key] = (cache, users - 1)
+            closing = False
+        else:
+            del _caches[key]
+            closing = True
+    if closing:
+        cache.close(timeout_s)

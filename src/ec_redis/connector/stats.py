@@ -1,0 +1,187 @@
+"""Connector metrics: an ``ECConnectorStats`` that vLLM logs, and Prometheus metrics named
+``vllm:ec_redis_*`` that vLLM's frontend exports.
+
+The data dict holds plain counters (summed across ranks and intervals) and short lists of
+observations for histograms (capped, so a slow logger never grows memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
+
+MAX_OBSERVATIONS = 1024
+# Counters, with the Prometheus name each one is exported as (vllm:ec_redis_<name>_total).
+COUNTERS: dict[str, str] = {
+    "hits_gpu": "Items served from the GPU tier",
+    "hits_cpu": "Items served from the CPU tier",
+    "hits_redis": "Items served from Redis",
+    "misses": "Items looked up and not found in any tier",
+    "loaded_items": "Items put into vLLM's encoder cache by the connector",
+    "loaded_bytes": "Bytes put into vLLM's encoder cache by the connector",
+    "saved_items": "Encoder outputs handed to the cache by producers",
+    "saved_bytes": "Bytes of encoder outputs handed to the cache by producers",
+    "redis_written_bytes": "Bytes written to Redis",
+    "redis_errors": "Failed Redis calls (counted as misses or dropped writes)",
+    "bad_blobs": "Corrupt, truncated or foreign blobs rejected and deleted",
+    "write_drops": "Pending Redis writes dropped because the write queue was full",
+    "rejected_items": "Fetched items refused because dtype/width/rows disagreed with the request",
+    "local_fallbacks": "Items encoded locally because the cache could not provide them",
+    "unavailable_requests": "Requests failed as retryable because an item was unavailable",
+    "waits": "Scheduler steps a request was held back waiting for an item",
+}
+GAUGES: dict[str, str] = {
+    "breaker_state": "Redis circuit breaker: 0 closed, 1 open, 2 half-open",
+    "write_queue_depth": "Redis writes queued or in flight",
+    "staged_bytes": "Bytes fetched and held for promised loads",
+}
+HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
+    "item_mb": (
+        "Size of loaded or saved items in MB",
+        [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 250],
+    ),
+    "fetch_seconds": (
+        "Latency of a scheduler-side batch fetch (local tiers, then Redis)",
+        [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5],
+    ),
+    "load_seconds": (
+        "Time start_load_caches spends per step",
+        [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25],
+    ),
+    "save_seconds": (
+        "Time save_caches spends per item (the Redis write happens off the step)",
+        [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01],
+    ),
+}
+
+
+@dataclass
+class ECRedisStats(ECConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                merged = self.data.get(key, []) + value
+                self.data[key] = merged[-MAX_OBSERVATIONS:]
+            elif key in GAUGES:
+                self.data[key] = value
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                if value:
+                    ordered = sorted(value)
+                    out[f"{key}_p50"] = round(ordered[len(ordered) // 2], 6)
+                    out[f"{key}_max"] = round(ordered[-1], 6)
+            else:
+                out[key] = value
+        hits = sum(int(self.data.get(f"hits_{t}", 0)) for t in ("gpu", "cpu", "redis"))
+        lookups = hits + int(self.data.get("misses", 0))
+        if lookups:
+            out["hit_rate"] = round(hits / lookups, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(v for v in self.data.values())
+
+
+class ECRedisPromMetrics(ECConnectorPromMetrics):
+    """Creates the ``vllm:ec_redis_*`` metrics per engine and records stats data into them."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._per_engine(self._counter_cls, name, doc) for name, doc in COUNTERS.items()
+        }
+        self._gauges = {
+            name: self._per_engine(self._gauge_cls, name, doc, multiprocess_mode="mostrecent")
+            for name, doc in GAUGES.items()
+        }
+        self._histograms = {
+            name: self._per_engine(self._histogram_cls, name, doc, buckets=buckets)
+            for name, (doc, buckets) in HISTOGRAMS.items()
+        }
+
+    def _per_engine(self, cls: Any, name: str, doc: str, **kwargs: Any) -> dict[int, Any]:
+        metric = cls(
+            name=f"vllm:ec_redis_{name}", documentation=doc, labelnames=self._labelnames, **kwargs
+        )
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if key in self._counters and value:
+                self._counters[key][engine_idx].inc(value)
+            elif key in self._gauges:
+                self._gauges[key][engine_idx].set(value)
+            elif key in self._histograms and isinstance(value, list):
+                for observation in value:
+                    self._histograms[key][engine_idx].observe(observation)
+
+
+def metric_names() -> list[str]:
+    """Every Prometheus series name the connector exports (for dashboards and tests)."""
+    return (
+        [f"vllm:ec_redis_{n}_total" for n in COUNTERS]
+        + [f"vllm:ec_redis_{n}" for n in GAUGES]
+        + [f"vllm:ec_redis_{n}_bucket" for n in HISTOGRAMS]
+    )
+
+
+class Deltas:
+    """Turns cumulative counters into per-interval increments (vLLM sums intervals)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def __call__(self, current: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in current.items():
+            if isinstance(value, list) or key in GAUGES:
+                out[key] = value
+                continue
+            change = value - self._last.get(key, 0)
+            self._last[key] = value
+            if change:
+                out[key] = change
+        return out
+
+
+def cache_counters(stats: dict[str, Any]) -> dict[str, float]:
+    """The cumulative numbers of ``TieredCache.stats()`` under the connector's metric names."""
+    redis = stats.get("redis", {})
+    writer = stats.get("writer", {})
+    out = {
+        "hits_gpu": stats.get("gpu", {}).get("hits", 0),
+        "hits_cpu": stats.get("cpu", {}).get("hits", 0) + stats.get("pending_write_hits", 0),
+        "hits_redis": redis.get("hits", 0),
+        "misses": stats.get("misses", 0),
+        "redis_errors": redis.get("errors", 0),
+        "bad_blobs": redis.get("bad_blobs", 0),
+        "redis_written_bytes": redis.get("bytes_written", 0),
+        "write_drops": writer.get("dropped", 0),
+    }
+    if redis:
+        out["breaker_state"] = redis.get("breaker_state", 0)
+    if writer:
+        out["write_queue_depth"] = writer.get("queue_depth", 0)
+    return out

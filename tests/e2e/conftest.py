@@ -1,0 +1,25 @@
+"""Fixtures for the real-vLLM end-to-end tests: tiny models built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import tiny_llava
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vllm: runs real vLLM engines (CPU) in subprocesses")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA model, seed 0."""
+    return tiny_llava(tmp_path_factory, seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same architecture with different random weights (seed 1)."""
+    return tiny_llava(tmp_path_factory, seed=1)

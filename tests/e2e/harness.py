@@ -1,0 +1,118 @@
+"""Pytest helpers for real-vLLM end-to-end tests: run engines in subprocesses, build the model.
+
+Each engine runs in its own process (``tests/e2e/run_engine.py``) because vLLM's worker-side
+EC connector is a process-wide singleton. ``run_engine`` returns the script's JSON result;
+a failed or hung engine raises ``EngineRunError`` with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.tiny_model import RAW_PROMPT, build_tiny_llava
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOG_TAIL_CHARS = 6000
+
+
+class EngineRunError(RuntimeError):
+    """An engine subprocess failed or timed out; the message ends with its log tail."""
+
+
+def vllm_available() -> bool:
+    """Whether vLLM is installed (a cheap lookup; a broken install fails the tests instead)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+# Apply to e2e test modules: ``pytestmark = requires_vllm``.
+requires_vllm = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="needs vLLM (scripts/install_vllm.sh)"),
+]
+
+
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory, seed: int = 0, name_suffix: str = "") -> Path:
+    """The tiny model for ``seed``, built once per session under the session's temp dir."""
+    return build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny_models", seed, name_suffix)
+
+
+def image_request(image_seed: int, question: str = "What is shown in this image?",
+                  uuid: str | None = None) -> dict[str, Any]:
+    """A raw-prompt LLaVA request for ``make_image(image_seed)``."""
+    return {"prompt": RAW_PROMPT.format(question=question), "image_seed": image_seed, "uuid": uuid}
+
+
+def run_engine(
+    spec: dict[str, Any], tmp_path: Path, timeout_s: float = 300, name: str | None = None
+) -> dict[str, Any]:
+    """Run one engine for ``spec`` (see ``run_engine.py``) and return its JSON result.
+
+    Files go to ``tmp_path / name`` (``spec.json``, ``out.json``, ``stdout.log``,
+    ``stderr.log``); the result's ``"run_dir"`` names that folder.
+    """
+    run_dir = _fresh_dir(Path(tmp_path), name or "engine")
+    spec_path, out_path = run_dir / "spec.json", run_dir / "out.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "tests.e2e.run_engine", "--spec", str(spec_path),
+           "--out", str(out_path)]
+    started = time.monotonic()
+    with (run_dir / "stdout.log").open("wb") as out, (run_dir / "stderr.log").open("wb") as err:
+        # Own session: a timeout kills the engine and anything it started.
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise EngineRunError(
+                f"engine {run_dir.name} timed out after {timeout_s} s\n{_log_tail(run_dir)}"
+            ) from None
+    if rc != 0 or not out_path.exists():
+        raise EngineRunError(f"engine {run_dir.name} exited with {rc}\n{_log_tail(run_dir)}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["run_dir"] = str(run_dir)
+    result["timings_s"]["wall"] = time.monotonic() - started
+    return result
+
+
+def run_engines(
+    specs: dict[str, dict[str, Any]], tmp_path: Path, timeout_s: float = 300, max_parallel: int = 2
+) -> dict[str, dict[str, Any]]:
+    """Run independent engines side by side (name -> spec), returning name -> result.
+
+    Most of an engine run is single-threaded Python start-up, so two at a time on two cores
+    nearly halves the wall time. Each engine is still its own process.
+    """
+    with ThreadPoolExecutor(max_workers=max_parallel) as pool:
+        futures = {n: pool.submit(run_engine, s, tmp_path, timeout_s, n) for n, s in specs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _fresh_dir(parent: Path, name: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    path, n = parent / safe, 1
+    while path.exists():
+        n += 1
+        path = parent / f"{safe}-{n}"
+    path.mkdir(parents=True)
+    return path
+
+
+def _log_tail(run_dir: Path) -> str:
+    text = (run_dir / "stderr.log").read_text(errors="replace")
+    return f"--- {run_dir / 'stderr.log'} (tail) ---\n{text[-LOG_TAIL_CHARS:]}"

@@ -1,0 +1,178 @@
+"""Run one real vLLM engine from a JSON spec and write its outputs as JSON (a subprocess).
+
+Usage: ``python -m tests.e2e.run_engine --spec spec.json --out out.json``
+
+Each engine needs a fresh process: vLLM's worker-side EC connector is a process-wide
+singleton. The spec (all keys but ``model`` optional)::
+
+    {
+      "model": "/path/to/tiny-llava-s0",
+      "ec_transfer_config": {"ec_connector": "...", "ec_role": "ec_producer", ...} | null,
+      "env": {"EC_REDIS_STATS_PATH": "..."},        # set before vLLM is imported
+      "llm_kwargs": {"enable_prefix_caching": false}, # overrides the CPU defaults below
+      "sampling": {"max_tokens": 4, "prompt_logprobs": 1, "seed": 0},
+      "rounds": [[request, ...], ...]                 # or "requests": [request, ...] (one round)
+    }
+
+A request is ``{"prompt": "USER: <image>\\n... ASSISTANT:"}`` (raw text) or
+``{"question": "..."}`` (rendered through the model's chat template), plus
+``"image_seed": int | null`` (an image from ``make_image``; null: text only) and an optional
+``"uuid"`` (the multimodal uuid, which vLLM then uses verbatim as the ``mm_hash``).
+
+The output holds ``rounds``: for each request, ``prompt_token_ids``, ``token_ids``, ``text``,
+``finish_reason``, ``prompt_logprobs`` (the logprob of each prompt token, ``None`` for the
+first) and ``prompt_topk`` (``[[token_id, logprob], ...]`` per position, best first). Floats
+are Python floats, which JSON round-trips exactly, so equal runs compare equal with ``==``.
+It also holds ``timings_s``. A failure exits non-zero with the traceback on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+# One in-process engine, no torch.compile (22 s on the first logprobs request, same results).
+DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+DEFAULT_LLM_KWARGS: dict[str, Any] = {
+    "distributed_executor_backend": "uni",
+    "dtype": "bfloat16",
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 256,
+    "kv_cache_memory_bytes": 64 << 20,
+    "limit_mm_per_prompt": {"image": 1},
+    "seed": 0,
+}
+DEFAULT_SAMPLING: dict[str, Any] = {
+    "temperature": 0.0,
+    "max_tokens": 4,
+    "prompt_logprobs": 1,
+    "seed": 0,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="path of the JSON spec")
+    parser.add_argument("--out", required=True, help="where to write the JSON result")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = json.load(f)
+    try:
+        result = run(spec)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.update(DEFAULT_ENV)
+    os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
+    started = time.perf_counter()
+    # vLLM is imported only now, after the spec's environment is in place.
+    from vllm import LLM, SamplingParams
+    from vllm.config import ECTransferConfig
+
+    from tests.e2e.tiny_model import make_image
+
+    llm_kwargs = {**DEFAULT_LLM_KWARGS, **spec.get("llm_kwargs", {})}
+    if spec.get("ec_transfer_config") is not None:
+        # LLM() turns a dict into a config object only for kv_transfer_config.
+        llm_kwargs["ec_transfer_config"] = ECTransferConfig(**spec["ec_transfer_config"])
+    sampling = SamplingParams(**{**DEFAULT_SAMPLING, **spec.get("sampling", {})})
+    rounds = spec["rounds"] if "rounds" in spec else [spec["requests"]]
+    timings: dict[str, Any] = {"import": time.perf_counter() - started}
+
+    llm = LLM(model=spec["model"], **llm_kwargs)
+    timings["engine_init"] = time.perf_counter() - started - timings["import"]
+    try:
+        tokenizer = llm.get_tokenizer()
+        results: list[list[dict[str, Any]]] = []
+        timings["rounds"] = []
+        for requests in rounds:
+            prompts = [_engine_prompt(req, tokenizer, make_image) for req in requests]
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            timings["rounds"].append(time.perf_counter() - t0)
+            results.append([_summarize(out) for out in outputs])
+    finally:
+        _shutdown(llm)
+    timings["total"] = time.perf_counter() - started
+    return {"rounds": results, "timings_s": timings}
+
+
+def _engine_prompt(req: dict[str, Any], tokenizer: Any, make_image: Any) -> dict[str, Any]:
+    has_image = req.get("image_seed") is not None
+    if "prompt" in req:
+        text = req["prompt"]
+    else:
+        content: list[dict[str, Any]] = [{"type": "image"}] if has_image else []
+        content.append({"type": "text", "text": req["question"]})
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+    prompt: dict[str, Any] = {"prompt": text}
+    if has_image:
+        prompt["multi_modal_data"] = {"image": make_image(req["image_seed"])}
+        if req.get("uuid") is not None:
+            prompt["multi_modal_uuids"] = {"image": req["uuid"]}
+    return prompt
+
+
+def _summarize(out: Any) -> dict[str, Any]:
+    completion = out.outputs[0] if out.outputs else None
+    prompt_ids = list(out.prompt_token_ids or [])
+    chosen: list[float | None] = []
+    topk: list[list[list[float]] | None] = []
+    for pos, entry in enumerate(out.prompt_logprobs or []):
+        if entry is None:  # the first prompt token has no logprob
+            chosen.append(None)
+            topk.append(None)
+            continue
+        chosen.append(float(entry[prompt_ids[pos]].logprob))
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank, kv[0]))
+        topk.append([[tok, float(lp.logprob)] for tok, lp in ranked])
+    return {
+        "prompt_token_ids": prompt_ids,
+        "token_ids": list(completion.token_ids) if completion else [],
+        "text": completion.text if completion else "",
+        "finish_reason": completion.finish_reason if completion else None,
+        "prompt_logprobs": chosen if out.prompt_logprobs is not None else None,
+        "prompt_topk": topk if out.prompt_logprobs is not None else None,
+    }
+
+
+def _shutdown(llm: Any) -> None:
+    """Scheduler-side connector and executor first, then the worker-side singleton."""
+    for step in (
+        lambda: llm.shutdown(),
+        lambda: llm.llm_engine.engine_core.shutdown(),
+    ):
+        try:
+            step()
+            break
+        except AttributeError:
+            continue
+        except Exception:
+            traceback.print_exc()
+            break
+    try:
+        from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
+
+        ensure_ec_transfer_shutdown()
+    except Exception:
+        traceback.print_exc()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
