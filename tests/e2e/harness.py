@@ -43,13 +43,16 @@ requires_vllm = [
 ]
 
 
-def tiny_llava(tmp_path_factory: pytest.TempPathFactory, seed: int = 0, name_suffix: str = "") -> Path:
+def tiny_llava(
+    tmp_path_factory: pytest.TempPathFactory, seed: int = 0, name_suffix: str = ""
+) -> Path:
     """The tiny model for ``seed``, built once per session under the session's temp dir."""
     return build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny_models", seed, name_suffix)
 
 
-def image_request(image_seed: int, question: str = "What is shown in this image?",
-                  uuid: str | None = None) -> dict[str, Any]:
+def image_request(
+    image_seed: int, question: str = "What is shown in this image?", uuid: str | None = None
+) -> dict[str, Any]:
     """A raw-prompt LLaVA request for ``make_image(image_seed)``."""
     return {"prompt": RAW_PROMPT.format(question=question), "image_seed": image_seed, "uuid": uuid}
 
@@ -67,13 +70,21 @@ def run_engine(
     spec_path.write_text(json.dumps(spec, indent=2))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "tests.e2e.run_engine", "--spec", str(spec_path),
-           "--out", str(out_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.e2e.run_engine",
+        "--spec",
+        str(spec_path),
+        "--out",
+        str(out_path),
+    ]
     started = time.monotonic()
     with (run_dir / "stdout.log").open("wb") as out, (run_dir / "stderr.log").open("wb") as err:
         # Own session: a timeout kills the engine and anything it started.
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=err,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=err, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -22,8 +22,9 @@ pytestmark = requires_vllm
 # client uuid, which vLLM uses verbatim as its mm_hash (so the test can find its file).
 IMAGE1_UUID = "harness-image-1"
 REQUESTS = [image_request(image_seed=0), image_request(image_seed=1, uuid=IMAGE1_UUID)]
-# Round 2 sends image 0 again, alone, to the same engine.
-ROUNDS = [REQUESTS, REQUESTS[:1]]
+# Round 2 sends image 0 again, alone, to the same engine, through the chat template (which
+# renders the same raw LLaVA prompt).
+ROUNDS = [REQUESTS, [{"question": "What is shown in this image?", "image_seed": 0}]]
 
 
 def spec(model: Path, ec_transfer_config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -44,25 +45,31 @@ def example_connector(role: str, storage: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def ec_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ECExampleConnector's shared folder."""
+    return tmp_path_factory.mktemp("ec_store")
+
+
+@pytest.fixture(scope="module")
 def runs(
-    tiny_model: Path, other_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path,
+    other_tiny_model: Path,
+    ec_store: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, dict[str, Any]]:
     """The independent engine runs, two at a time."""
-    tmp = tmp_path_factory.mktemp("harness")
-    storage = tmp / "ec_store"
     results = run_engines(
         {
             "baseline": spec(tiny_model),
             "baseline_again": spec(tiny_model),
             "other_model": spec(other_tiny_model),
-            "producer": spec(tiny_model, example_connector("ec_producer", storage)),
+            "producer": spec(tiny_model, example_connector("ec_producer", ec_store)),
         },
-        tmp,
+        tmp_path_factory.mktemp("runs"),
     )
-    results["storage"] = {"path": str(storage)}
     for name, result in results.items():
-        if "timings_s" in result:
-            print(f"{name}: {result['timings_s']}")
+        assert result["shutdown_errors"] == [], name
+        print(f"{name}: {result['timings_s']}")
     return results
 
 
@@ -81,7 +88,8 @@ def test_equal_runs_are_bit_identical(runs: dict[str, dict[str, Any]]) -> None:
     # The image reaches the LM: same tokens, different image, different logprobs.
     assert img0["prompt_token_ids"] == img1["prompt_token_ids"]
     assert img0["prompt_logprobs"] != img1["prompt_logprobs"]
-    # A second round in the same engine repeats the first, bit for bit.
+    # A second round in the same engine, through the chat template, repeats the first.
+    assert base["rounds"][1][0]["prompt_token_ids"] == img0["prompt_token_ids"]
     assert base["rounds"][1][0]["prompt_logprobs"] == img0["prompt_logprobs"]
     assert base["rounds"][1][0]["token_ids"] == img0["token_ids"]
 
@@ -93,19 +101,19 @@ def test_different_models_give_different_logprobs(runs: dict[str, dict[str, Any]
 
 
 def test_example_connector_producer_to_consumer(
-    runs: dict[str, dict[str, Any]], tiny_model: Path, tmp_path: Path
+    runs: dict[str, dict[str, Any]], tiny_model: Path, ec_store: Path, tmp_path: Path
 ) -> None:
-    storage = Path(runs["storage"]["path"])
-    saved = sorted(storage.glob("*/encoder_cache.safetensors"))
+    saved = sorted(ec_store.glob("*/encoder_cache.safetensors"))
     assert len(saved) == 2, "the producer saves one encoder output per distinct image"
     # Spoil image 1's stored output: a consumer that really loads from the store must now
     # differ from the baseline on image 1 while matching it bit for bit on image 0.
-    _spoil(storage / IMAGE1_UUID / "encoder_cache.safetensors")
+    _spoil(ec_store / IMAGE1_UUID / "encoder_cache.safetensors")
 
     consumer = run_engine(
-        spec(tiny_model, example_connector("ec_consumer", storage)), tmp_path, name="consumer"
+        spec(tiny_model, example_connector("ec_consumer", ec_store)), tmp_path, name="consumer"
     )
     print(f"consumer: {consumer['timings_s']}")
+    assert consumer["shutdown_errors"] == []
     base_img0, base_img1 = first_round(runs["baseline"])
     img0, img1 = first_round(consumer)
     assert img0["prompt_logprobs"] == base_img0["prompt_logprobs"]

@@ -81,6 +81,9 @@ class SchedulerSide:
             on_fetch=self._fetch_seconds.append,
         )
         self._first_seen: dict[str, float] = {}
+        # Items vLLM already allocated per request (loaded or computed): a chunked prefill
+        # calls ensure_cache_available again while they sit in vLLM's encoder cache.
+        self._allocated: dict[str, set[str]] = {}
         self._validated: set[str] = set()
         self._loads: dict[str, LoadItem] = {}
         self._unavailable: set[str] = set()
@@ -97,11 +100,14 @@ class SchedulerSide:
         first = self._first_seen.setdefault(request.request_id, now)
         ready = True
         to_fetch: list[str] = []
+        allocated = self._allocated.get(request.request_id, ())
         for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model
             item = feature.identifier
+            if item in allocated:
+                continue  # in vLLM's encoder cache already
             entry = self._stager.entry(item)
             if entry is None:
                 if self._stager.has_room():
@@ -158,6 +164,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         item = request.mm_features[index].identifier
+        self._allocated.setdefault(request.request_id, set()).add(item)
         if not self._is_consumer or item not in self._validated:
             return  # computed locally
         tensor = self._stager.take(item)
@@ -191,11 +198,14 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self._first_seen.pop(request.request_id, None)
+        self._allocated.pop(request.request_id, None)
         self._stager.release_request(request.request_id)
         return False, None
 
     def update_state_after_free(self, request: Any, index: int) -> None:
-        self._validated.discard(request.mm_features[index].identifier)
+        item = request.mm_features[index].identifier
+        self._validated.discard(item)
+        self._allocated.get(request.request_id, set()).discard(item)
 
     def stats_data(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters.snapshot())

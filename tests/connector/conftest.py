@@ -1,0 +1,111 @@
+"""Fixtures for connector tests: vLLM configs mocked the way vLLM's own tests do, with a real
+``ECTransferConfig``, and fake requests carrying multimodal features."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from unittest.mock import Mock
+
+import pytest
+import torch
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_VLLM:
+        return
+    if os.environ.get("EC_REDIS_REQUIRE_VLLM") == "1":
+        raise pytest.UsageError("vLLM is required (scripts/install_vllm.sh installs it)")
+    for item in items:
+        if "tests/connector" in str(item.fspath):
+            item.add_marker(pytest.mark.skip(reason="needs vLLM (scripts/install_vllm.sh)"))
+
+
+@dataclass
+class Position:
+    offset: int
+    length: int
+
+    def get_num_embeds(self) -> int:
+        return self.length
+
+
+@dataclass
+class Feature:
+    identifier: str
+    mm_position: Position
+    modality: str = "image"
+    data: Any = None
+
+
+@dataclass
+class FakeRequest:
+    """The parts of ``vllm.v1.request.Request`` the connector reads."""
+
+    request_id: str
+    mm_features: list[Feature] = field(default_factory=list)
+
+    def get_num_encoder_embeds(self, index: int) -> int:
+        return self.mm_features[index].mm_position.get_num_embeds()
+
+
+def request(request_id: str, *items: tuple[str, int]) -> FakeRequest:
+    """A request whose items (id, num_embeds) sit one after another from token 4."""
+    features, offset = [], 4
+    for identifier, rows in items:
+        features.append(Feature(identifier, Position(offset, rows)))
+        offset += rows + 2
+    return FakeRequest(request_id, features)
+
+
+def vllm_config(
+    role: str,
+    extra: dict[str, Any],
+    *,
+    model: str = "tiny-llava",
+    dtype: torch.dtype = torch.bfloat16,
+    hidden: int = 128,
+) -> Any:
+    from vllm.config import ECTransferConfig, VllmConfig
+
+    config = Mock(spec=VllmConfig)
+    config.ec_transfer_config = ECTransferConfig(
+        ec_connector="ECRedisConnector",
+        ec_connector_module_path="ec_redis.connector",
+        ec_role=role,
+        ec_connector_extra_config=extra,
+    )
+    model_config = Mock()
+    model_config.model = model
+    model_config.revision = None
+    model_config.dtype = dtype
+    model_config.get_hidden_size = Mock(return_value=hidden)
+    config.model_config = model_config
+    return config
+
+
+@pytest.fixture
+def make_connector(redis_url: str) -> Iterator[Callable[..., Any]]:
+    """Build connectors against the test's real Redis; all are shut down afterwards."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ec_redis.connector import ECRedisConnector
+
+    made: list[Any] = []
+
+    def make(role: str, side: str = "scheduler", **kwargs: Any) -> Any:
+        extra = {"redis_url": redis_url, "consumer_wait_s": 0.5, "recheck_s": 0.01}
+        extra.update(kwargs.pop("extra", {}))
+        which = ECConnectorRole.SCHEDULER if side == "scheduler" else ECConnectorRole.WORKER
+        connector = ECRedisConnector(vllm_config(role, extra, **kwargs), which)
+        made.append(connector)
+        return connector
+
+    yield make
+    for connector in made:
+        connector.shutdown()

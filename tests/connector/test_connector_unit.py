@@ -1,0 +1,331 @@
+"""ECRedisConnector hook by hook, with mocked vLLM configs and a real Redis."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from ec_redis.errors import ConfigError
+from tests.conftest import embedding
+from tests.connector.conftest import request, vllm_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+Make = Callable[..., Any]
+
+
+def wait_ready(connector: Any, req: Any, timeout_s: float = 5.0) -> bool:
+    """Call ensure_cache_available like the scheduler does, step after step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if connector.ensure_cache_available(req, 0):
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def publish(
+    make: Make, items: dict[str, torch.Tensor], role: str = "ec_producer", **kw: Any
+) -> None:
+    """Save items the way a producer's worker does, wait until Redis has them, and shut the
+    producer down so its in-process cache is gone: later reads must come from Redis."""
+    worker = make(role, "worker", **kw)
+    cache = dict(items)
+    for mm_hash in items:
+        worker.save_caches(encoder_cache=cache, mm_hash=mm_hash)
+    assert worker._cache.flush(10)
+    worker.shutdown()
+
+
+def test_consumer_loads_exactly_what_the_producer_saved(make_connector: Make) -> None:
+    tensors = {"img-a": embedding(16, 128, seed=1), "img-b": embedding(32, 128, seed=2)}
+    publish(make_connector, tensors)
+    scheduler = make_connector("ec_consumer")
+    worker = make_connector("ec_consumer", "worker")
+    req = request("r1", ("img-a", 16), ("img-b", 32))
+
+    assert wait_ready(scheduler, req)
+    assert scheduler.has_cache_item("img-a") and scheduler.has_cache_item("img-b")
+    scheduler.update_state_after_alloc(req, 0)
+    scheduler.update_state_after_alloc(req, 1)
+    meta = scheduler.build_connector_meta(None)
+    assert sorted(load.mm_hash for load in meta.loads) == ["img-a", "img-b"]
+    assert scheduler.build_connector_meta(None).loads == []  # state reset per step
+
+    worker.bind_connector_metadata(meta)
+    encoder_cache: dict[str, torch.Tensor] = {}
+    worker.start_load_caches(encoder_cache)
+    worker.clear_connector_metadata()
+    for mm_hash, tensor in tensors.items():
+        assert torch.equal(encoder_cache[mm_hash], tensor)
+        assert encoder_cache[mm_hash].dtype == torch.bfloat16
+    snapshot = scheduler.stats_snapshot()
+    assert snapshot["hits_redis"] == 2
+
+
+def test_metadata_is_small_and_picklable(make_connector: Make) -> None:
+    publish(make_connector, {"img": embedding(16, 128)})
+    scheduler = make_connector("ec_consumer")
+    req = request("r1", ("img", 16))
+    assert wait_ready(scheduler, req)
+    assert scheduler.has_cache_item("img")
+    scheduler.update_state_after_alloc(req, 0)
+    meta = scheduler.build_connector_meta(None)
+    # vLLM ships step metadata to worker processes with pickle (its own IPC, not ours).
+    restored = pickle.loads(pickle.dumps(meta))  # noqa: S301 - our own object, in-process
+    assert torch.equal(restored.loads[0].tensor, meta.loads[0].tensor)
+
+
+def test_has_cache_item_never_blocks_and_is_false_until_staged(make_connector: Make) -> None:
+    publish(make_connector, {"img": embedding(16, 128)})
+    scheduler = make_connector("ec_consumer")
+    req = request("r1", ("img", 16))
+    started = time.perf_counter()
+    assert scheduler.ensure_cache_available(req, 0) is False  # lookup started, not awaited
+    assert scheduler.has_cache_item("img") is False
+    assert time.perf_counter() - started < 0.05
+    assert wait_ready(scheduler, req)
+    assert scheduler.has_cache_item("img") is True
+
+
+def test_locally_computed_items_are_filtered_out(make_connector: Make) -> None:
+    scheduler = make_connector("ec_both")
+    req = request("r1", ("never-cached", 16))
+    assert wait_ready(scheduler, req)  # ec_both does not wait for items to appear
+    assert scheduler.has_cache_item("never-cached") is False
+    scheduler.update_state_after_alloc(req, 0)  # vLLM reports the local encode too
+    assert scheduler.build_connector_meta(None).loads == []
+
+
+@pytest.mark.parametrize(
+    ("stored", "why"),
+    [
+        (embedding(20, 128), "row count differs from what the request expects"),
+        (embedding(16, 96), "width differs (checked against vLLM's measured width)"),
+        (embedding(16, 128).float(), "dtype differs from the model's"),
+    ],
+)
+def test_a_mismatching_tensor_is_a_miss_never_handed_to_vllm(
+    make_connector: Make, stored: torch.Tensor, why: str
+) -> None:
+    publish(make_connector, {"img": stored})
+    scheduler = make_connector("ec_consumer")
+    scheduler._vllm_config.ec_transfer_config.mm_encoder_output_widths["image"] = 128
+    req = request("r1", ("img", 16))
+    assert wait_ready(scheduler, req), why
+    assert scheduler.has_cache_item("img") is False, why
+    assert scheduler.stats_snapshot()["rejected_items"] == 1
+
+
+def test_consumer_waits_for_an_item_still_being_written(make_connector: Make) -> None:
+    scheduler = make_connector("ec_consumer", extra={"consumer_wait_s": 5.0})
+    req = request("r1", ("late", 16))
+    assert scheduler.ensure_cache_available(req, 0) is False
+    time.sleep(0.05)
+    assert scheduler.ensure_cache_available(req, 0) is False  # absent: still waiting
+    publish(make_connector, {"late": embedding(16, 128, seed=9)})
+    assert wait_ready(scheduler, req)
+    assert scheduler.has_cache_item("late")
+
+
+def test_consumer_gives_up_after_the_wait_and_encodes_locally(make_connector: Make) -> None:
+    scheduler = make_connector("ec_consumer", extra={"consumer_wait_s": 0.2})
+    req = request("r1", ("missing", 16))
+    started = time.monotonic()
+    assert wait_ready(scheduler, req)
+    assert time.monotonic() - started >= 0.2
+    assert scheduler.has_cache_item("missing") is False
+    assert scheduler.take_unavailable_requests() == set()
+
+
+def test_on_missing_fail_fails_the_request_as_retryable(make_connector: Make) -> None:
+    scheduler = make_connector("ec_consumer", extra={"consumer_wait_s": 0.1, "on_missing": "fail"})
+    req = request("r1", ("missing", 16))
+    assert not wait_ready(scheduler, req, timeout_s=0.5)  # held back, never promised
+    assert scheduler.take_unavailable_requests() == {"r1"}
+    assert scheduler.take_unavailable_requests() == set()
+    assert scheduler.stats_snapshot()["unavailable_requests"] == 1
+
+
+def test_items_already_in_vllms_encoder_cache_do_not_hold_a_chunked_prefill(
+    make_connector: Make,
+) -> None:
+    publish(make_connector, {"img": embedding(16, 128)})
+    scheduler = make_connector("ec_consumer")
+    req = request("r1", ("img", 16))
+    assert wait_ready(scheduler, req)
+    assert scheduler.has_cache_item("img")
+    scheduler.update_state_after_alloc(req, 0)
+    scheduler.build_connector_meta(None)
+    # Next chunk of the same prefill: the item is mid-consumption and in vLLM's cache.
+    assert scheduler.ensure_cache_available(req, 10) is True
+
+
+def test_request_finished_releases_staging_and_returns_no_params(make_connector: Make) -> None:
+    publish(make_connector, {"img": embedding(16, 128)})
+    scheduler = make_connector("ec_consumer")
+    req = request("r1", ("img", 16))
+    assert wait_ready(scheduler, req)
+    assert scheduler.stats_snapshot()["staged_bytes"] > 0
+    assert scheduler.request_finished(req) == (False, None)
+    assert scheduler.stats_snapshot()["staged_bytes"] == 0
+
+
+def test_producer_scheduler_never_holds_requests(make_connector: Make) -> None:
+    scheduler = make_connector("ec_producer")
+    req = request("r1", ("img", 16))
+    assert scheduler.ensure_cache_available(req, 0) is True
+    assert scheduler.has_cache_item("img") is False
+    scheduler.update_state_after_alloc(req, 0)
+    assert scheduler.build_connector_meta(None).loads == []
+
+
+def test_save_caches_only_on_producers(make_connector: Make, redis_url: str) -> None:
+    consumer = make_connector("ec_consumer", "worker")
+    consumer.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
+    consumer._cache.flush(5)
+    assert redis.Redis.from_url(redis_url).dbsize() == 0
+    both = make_connector("ec_both", "worker")
+    both.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
+    assert both._cache.flush(5)
+    assert redis.Redis.from_url(redis_url).dbsize() == 1
+
+
+def test_save_caches_only_from_tp_rank_zero(
+    make_connector: Make, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ec_redis.connector.connector as module
+
+    monkeypatch.setattr(module, "_tp_rank", lambda: 1)
+    rank1 = make_connector("ec_producer", "worker")
+    rank1.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
+    rank1.start_save_caches(encoder_cache={"img2": embedding(16, 128)})
+    rank1._cache.flush(5)
+    assert redis.Redis.from_url(redis_url).dbsize() == 0
+
+
+def test_save_caches_returns_fast_and_survives_vllm_freeing_the_entry(
+    make_connector: Make,
+) -> None:
+    worker = make_connector("ec_producer", "worker")
+    tensor = embedding(256, 128, seed=4)
+    encoder_cache = {"img": tensor.clone()}
+    started = time.perf_counter()
+    worker.save_caches(encoder_cache=encoder_cache, mm_hash="img")
+    elapsed = time.perf_counter() - started
+    del encoder_cache["img"]  # vLLM frees the entry right after the step
+    assert worker._cache.flush(10)
+    assert elapsed < 0.05  # behaviour check: no network round trip inside the hook
+    consumer = make_connector("ec_consumer")
+    req = request("r1", ("img", 256))
+    assert wait_ready(consumer, req) and consumer.has_cache_item("img")
+    consumer.update_state_after_alloc(req, 0)
+    assert torch.equal(consumer.build_connector_meta(None).loads[0].tensor, tensor)
+
+
+def test_start_save_caches_publishes_items_from_earlier_steps_once(
+    make_connector: Make, redis_url: str
+) -> None:
+    worker = make_connector("ec_producer", "worker")
+    encoder_cache = {"old": embedding(16, 128, seed=1)}
+    worker.start_save_caches(encoder_cache=encoder_cache)
+    worker.start_save_caches(encoder_cache=encoder_cache)
+    assert worker._cache.flush(5)
+    assert worker.stats_snapshot()["saved_items"] == 1
+    assert redis.Redis.from_url(redis_url).dbsize() == 1
+
+
+def test_load_skips_items_already_present_and_never_aliases_cache_memory(
+    make_connector: Make,
+) -> None:
+    publish(make_connector, {"a": embedding(16, 128, seed=1), "b": embedding(16, 128, seed=2)})
+    scheduler = make_connector("ec_consumer")
+    worker = make_connector("ec_consumer", "worker")
+    req = request("r1", ("a", 16), ("b", 16))
+    assert wait_ready(scheduler, req)
+    for index in (0, 1):
+        assert scheduler.has_cache_item(req.mm_features[index].identifier)
+        scheduler.update_state_after_alloc(req, index)
+    meta = scheduler.build_connector_meta(None)
+    present = torch.zeros(16, 128, dtype=torch.bfloat16)
+    encoder_cache = {"a": present}
+    worker.bind_connector_metadata(meta)
+    worker.start_load_caches(encoder_cache)
+    assert encoder_cache["a"] is present
+    loaded = next(load.tensor for load in meta.loads if load.mm_hash == "b")
+    assert torch.equal(encoder_cache["b"], loaded)
+    assert encoder_cache["b"].data_ptr() != loaded.data_ptr()
+
+
+def test_models_sharing_one_redis_never_read_each_others_entries(make_connector: Make) -> None:
+    publish(make_connector, {"same-uuid": embedding(16, 128, seed=1)}, model="model-a")
+    other = make_connector("ec_consumer", model="model-b", extra={"consumer_wait_s": 0.1})
+    req = request("r1", ("same-uuid", 16))
+    assert wait_ready(other, req)
+    assert other.has_cache_item("same-uuid") is False
+    same = make_connector("ec_consumer", model="model-a")
+    assert wait_ready(same, req) and same.has_cache_item("same-uuid")
+
+
+def test_tenant_salts_isolate_entries(make_connector: Make) -> None:
+    publish(make_connector, {"img": embedding(16, 128)}, extra={"tenant_salt": "tenant-a"})
+    other = make_connector("ec_consumer", extra={"tenant_salt": "tenant-b", "consumer_wait_s": 0.1})
+    req = request("r1", ("img", 16))
+    assert wait_ready(other, req) and not other.has_cache_item("img")
+
+
+def test_a_bad_extra_config_fails_at_start_naming_the_key() -> None:
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ec_redis.connector import ECRedisConnector
+
+    with pytest.raises(ConfigError, match=r"cpu_cache_bytes.*example"):
+        ECRedisConnector(
+            vllm_config("ec_consumer", {"cpu_cache_bytes": "lots"}), ECConnectorRole.SCHEDULER
+        )
+    with pytest.raises(ConfigError, match="valid keys"):
+        ECRedisConnector(vllm_config("ec_consumer", {"redis": "x"}), ECConnectorRole.WORKER)
+
+
+def test_worker_meta_reports_pending_writes_and_keeps_a_producer_stepping(
+    make_connector: Make,
+) -> None:
+    from vllm.v1.outputs import ECConnectorOutput
+
+    from ec_redis.connector.metadata import ECRedisWorkerMetadata
+
+    scheduler = make_connector("ec_producer")
+    assert scheduler.has_pending_push_work() is False
+    output = ECConnectorOutput(ec_connector_worker_meta=ECRedisWorkerMetadata(2))
+    scheduler.update_connector_output(output)
+    assert scheduler.has_pending_push_work() is True
+    scheduler.update_connector_output(
+        ECConnectorOutput(ec_connector_worker_meta=ECRedisWorkerMetadata(0))
+    )
+    assert scheduler.has_pending_push_work() is False
+    both = ECRedisWorkerMetadata(1).aggregate(ECRedisWorkerMetadata(3))
+    assert isinstance(both, ECRedisWorkerMetadata) and both.pending_writes == 4
+
+
+def test_shutdown_is_idempotent_and_stops_threads(make_connector: Make) -> None:
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    scheduler = make_connector("ec_both")
+    worker = make_connector("ec_both", "worker")
+    worker.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
+    assert wait_ready(scheduler, request("r1", ("img", 16)))
+    for connector in (worker, scheduler, worker, scheduler):
+        connector.shutdown()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        leaked = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+        if not leaked:
+            break
+        time.sleep(0.02)
+    assert not leaked, leaked
