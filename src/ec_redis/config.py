@@ -304,6 +304,14 @@ class ConnectorOptions:
         default=2,
         metadata=_key(_int_at_least(1), "2", "Scheduler-side threads fetching from Redis."),
     )
+    lookup_wait_s: float = field(
+        default=0.002,
+        metadata=_key(
+            _float_at_least(0.0),
+            "0.002",
+            "Longest a scheduler step waits for an in-flight lookup (0: never waits).",
+        ),
+    )
     recheck_s: float = field(
         default=0.05,
         metadata=_key(_float_at_least(0.001), "0.05", "Interval between looks for a missing item."),

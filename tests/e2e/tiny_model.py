@@ -13,8 +13,11 @@ import io
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PIL import Image
+if TYPE_CHECKING:  # Pillow and transformers come with vLLM, not with ec_redis
+    from PIL import Image
+    from transformers import PreTrainedTokenizerFast
 
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
@@ -127,7 +130,7 @@ def build_tiny_llava(path: Path, seed: int = 0, name_suffix: str = "") -> Path:
     return model_dir
 
 
-def _build_tokenizer():  # type: ignore[no-untyped-def]
+def _build_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -170,6 +173,8 @@ def _fix_vision_tower_keys(weights: Path) -> None:
 
 def make_image(seed: int) -> Image.Image:
     """A deterministic 56x56 RGB image of random coloured pixels."""
+    from PIL import Image
+
     rng = random.Random(seed)
     data = bytes(rng.randrange(256) for _ in range(IMAGE_SIZE * IMAGE_SIZE * 3))
     return Image.frombytes("RGB", (IMAGE_SIZE, IMAGE_SIZE), data)

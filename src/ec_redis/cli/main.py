@@ -37,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=5, help="runs per measurement (default 5)")
     bench.add_argument("--chunk-bytes", default="4MiB", help="Redis tier chunk size")
     bench.add_argument("--no-codecs", action="store_true", help="skip the codec comparison")
+    hooks = sub.add_parser(
+        "bench-connector",
+        help="drive the vLLM connector hooks, side by side with vLLM's ECExampleConnector",
+    )
+    hooks.add_argument("--redis-url", help="Redis to use (default: an embedded server)")
+    hooks.add_argument("--runs", type=int, default=20, help="items per size (default 20)")
+    hooks.add_argument("--quick", action="store_true", help="two item sizes")
+    hooks.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -45,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _bench(args)
+        if args.command == "bench-connector":
+            return _bench_connector(args)
     except ECRedisError as exc:
         print(f"ec-redis: {exc}", file=sys.stderr)
         return 2
@@ -69,6 +79,33 @@ def _bench(args: argparse.Namespace) -> int:
             report = run(server.url, server.kind, quick=args.quick, repeat=repeat,
                          chunk_bytes=chunk_bytes, codecs=not args.no_codecs)  # fmt: skip
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
+    return 0
+
+
+def _bench_connector(args: argparse.Namespace) -> int:
+    import contextlib
+    import dataclasses
+
+    from ec_redis.bench.workload import ITEMS, QUICK_ITEMS
+    from ec_redis.embedded import EmbeddedRedis
+
+    try:
+        from ec_redis.connector import bench
+    except ImportError as exc:
+        print(f"ec-redis: bench-connector needs vLLM installed ({exc})", file=sys.stderr)
+        return 2
+    items = QUICK_ITEMS if args.quick else ITEMS
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url
+        if not url:
+            server = stack.enter_context(EmbeddedRedis.start())
+            print(f"ec-redis: using {server.kind}", file=sys.stderr)
+            url = server.url
+        rows = bench.run(url, items, args.runs, lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print(bench.render(rows))
     return 0
 
 

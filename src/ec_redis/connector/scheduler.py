@@ -71,6 +71,7 @@ class SchedulerSide:
         # A pure consumer waits for items its encoder instance is still writing.
         self._wait_s = options.consumer_wait_s if is_consumer and not is_producer else 0.0
         self._clock = clock
+        self._lookup_wait_s = options.lookup_wait_s
         self.counters = Counters()
         self._fetch_seconds: list[float] = []
         self._stager = Stager(
@@ -93,7 +94,9 @@ class SchedulerSide:
 
     # -- the scheduling hot path -----------------------------------------------------------
 
-    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+    def ensure_cache_available(
+        self, request: Any, num_computed_tokens: int, _waited: bool = False
+    ) -> bool:
         if not self._is_consumer:
             return True  # producers never load; has_cache_item answers from staging alone
         now = self._clock()
@@ -126,7 +129,19 @@ class SchedulerSide:
             self._stager.fetch(to_fetch, request.request_id)
         if not ready:
             self.counters.inc("waits")
+            if not _waited and self._lookup_wait_s > 0 and (to_fetch or self._fetching(request)):
+                # A short, bounded wait: small items become ready in this very call, and a
+                # spinning engine loop no longer starves the lookup threads of the GIL.
+                self._stager.wait(self._lookup_wait_s)
+                return self.ensure_cache_available(request, num_computed_tokens, _waited=True)
         return ready
+
+    def _fetching(self, request: Any) -> bool:
+        for feature in request.mm_features:
+            entry = self._stager.entry(feature.identifier)
+            if entry is not None and entry.state == FETCHING:
+                return True
+        return False
 
     def _give_up(self, request: Any, now: float, first: float) -> bool:
         """An item is still absent: stop waiting (encode locally) or fail the request."""

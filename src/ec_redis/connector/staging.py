@@ -50,6 +50,7 @@ class Stager:
         self._cache = cache
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ec_redis-stage")
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
         self._staged_bytes = 0
         self._stage_bytes = stage_bytes
@@ -112,6 +113,14 @@ class Stager:
                 else:
                     entry.state, entry.tensor = STAGED, tensor
                     self._staged_bytes += entry.nbytes
+            self._changed.notify_all()
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until a lookup completes or ``timeout_s`` passes (releases the GIL, so the
+        lookup threads run at full speed instead of in the engine loop's GIL slices)."""
+        if timeout_s > 0:
+            with self._changed:
+                self._changed.wait(timeout_s)
 
     def take(self, item: str) -> torch.Tensor | None:
         """Hand over a staged tensor (for a load) and forget the entry."""

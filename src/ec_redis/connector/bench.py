@@ -1,0 +1,199 @@
+"""Connector benchmark: drive the hooks the way vLLM does, ECRedisConnector next to vLLM's
+ECExampleConnector (safetensors files on local disk), in one run on the same machine.
+
+Per item: producer ``save_caches`` -> (consumer scheduler) ``ensure_cache_available`` until
+ready -> ``has_cache_item`` -> ``update_state_after_alloc`` -> ``build_connector_meta`` ->
+(consumer worker) ``bind`` + ``start_load_caches`` + ``clear``. Reports p50/p99 per hook and
+the time from ``save_caches`` returning to the item being loadable.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from unittest.mock import Mock
+
+import torch
+
+from ec_redis.bench.workload import Item, activation_like
+
+HOOKS = ("save_caches", "visible_after_save", "has_cache_item", "alloc+meta", "start_load_caches")
+
+
+@dataclass
+class _Position:
+    offset: int
+    length: int
+
+    def get_num_embeds(self) -> int:
+        return self.length
+
+
+@dataclass
+class _Feature:
+    identifier: str
+    mm_position: _Position
+    modality: str = "image"
+    data: Any = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    mm_features: list[_Feature] = field(default_factory=list)
+
+    def get_num_encoder_embeds(self, index: int) -> int:
+        return self.mm_features[index].mm_position.get_num_embeds()
+
+
+@dataclass
+class HookRow:
+    connector: str
+    item: str
+    hook: str
+    p50_ms: float
+    p99_ms: float
+
+
+def _vllm_config(connector: str, role: str, extra: dict[str, Any], width: int) -> Any:
+    from vllm.config import ECTransferConfig, VllmConfig
+
+    config = Mock(spec=VllmConfig)
+    module = "ec_redis.connector" if connector == "ECRedisConnector" else None
+    config.ec_transfer_config = ECTransferConfig(
+        ec_connector=connector, ec_connector_module_path=module, ec_role=role,
+        ec_connector_extra_config=extra,
+    )  # fmt: skip
+    config.model_config = Mock(model="bench-model", revision=None, dtype=torch.bfloat16)
+    config.model_config.get_hidden_size = Mock(return_value=width)
+    return config
+
+
+def _connectors(name: str, extra: dict[str, Any], width: int) -> tuple[Any, Any, Any]:
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    def make(role: str, side: ECConnectorRole, more: dict[str, Any]) -> Any:
+        config = _vllm_config(name, role, {**extra, **more}, width)
+        return ECConnectorFactory.get_connector_class(config.ec_transfer_config)(config, side)
+
+    # The producer gets its own in-process cache (another producer_id), so every load
+    # below really crosses Redis, as between two instances.
+    producer_extra = {"producer_id": "bench-encoder"} if name == "ECRedisConnector" else {}
+    return (
+        make("ec_producer", ECConnectorRole.WORKER, producer_extra),
+        make("ec_consumer", ECConnectorRole.SCHEDULER, {}),
+        make("ec_consumer", ECConnectorRole.WORKER, {}),
+    )
+
+
+def run_hooks(
+    name: str, extra: dict[str, Any], items: tuple[Item, ...], runs: int,
+    progress: Callable[[str], None],
+) -> list[HookRow]:  # fmt: skip
+    producer, scheduler, worker = _connectors(name, extra, items[0].width)
+    rows: list[HookRow] = []
+    try:
+        for item in items:
+            progress(f"{name}: {item.label} ({item.nbytes / 2**20:.1f} MiB) x{runs}")
+            samples = _one_size(producer, scheduler, worker, item, runs, name)
+            rows += [
+                HookRow(name, item.label, hook, _pct(v, 50) * 1e3, _pct(v, 99) * 1e3)
+                for hook, v in samples.items()
+            ]
+    finally:
+        for connector in (producer, scheduler, worker):
+            connector.shutdown()
+    return rows
+
+
+def _one_size(
+    producer: Any, scheduler: Any, worker: Any, item: Item, runs: int, tag: str
+) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {hook: [] for hook in HOOKS}
+    for run in range(runs):
+        for hook, seconds in _one_item(producer, scheduler, worker, item, run, tag).items():
+            samples[hook].append(seconds)
+    return samples
+
+
+def _one_item(
+    producer: Any, scheduler: Any, worker: Any, item: Item, run: int, tag: str
+) -> dict[str, float]:
+    """One item through every hook, in vLLM's order; seconds per hook."""
+    out: dict[str, float] = {}
+    tensor = activation_like(item.rows, item.width, seed=run)
+    mm_hash = f"{tag}-{item.rows}-{run}-{time.time_ns()}"
+    req = _Request(f"req-{mm_hash}", [_Feature(mm_hash, _Position(4, item.rows))])
+    out["save_caches"] = _timed(
+        lambda: producer.save_caches(encoder_cache={mm_hash: tensor}, mm_hash=mm_hash)
+    )
+    saved = time.perf_counter()
+    while not (scheduler.ensure_cache_available(req, 0) and scheduler.has_cache_item(mm_hash)):
+        if time.perf_counter() - saved > 30:
+            raise RuntimeError(f"{tag}: item never became loadable")
+    out["visible_after_save"] = time.perf_counter() - saved
+    out["has_cache_item"] = _timed(lambda: scheduler.has_cache_item(mm_hash))
+    start = time.perf_counter()
+    scheduler.update_state_after_alloc(req, 0)
+    meta = scheduler.build_connector_meta(None)
+    out["alloc+meta"] = time.perf_counter() - start
+    loaded: dict[str, torch.Tensor] = {}
+    start = time.perf_counter()
+    worker.bind_connector_metadata(meta)
+    worker.start_load_caches(loaded)
+    worker.clear_connector_metadata()
+    out["start_load_caches"] = time.perf_counter() - start
+    if not torch.equal(loaded[mm_hash], tensor):
+        raise RuntimeError(f"{tag} loaded a wrong tensor: refusing to report")
+    scheduler.request_finished(req)
+    return out
+
+
+def run(
+    redis_url: str, items: tuple[Item, ...], runs: int, progress: Callable[[str], None]
+) -> list[HookRow]:
+    ours = run_hooks(
+        "ECRedisConnector",
+        {"redis_url": redis_url, "namespace": "benchconn", "recheck_s": 0.005},
+        items, runs, progress,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="ec_example_") as path:
+        theirs = run_hooks("ECExampleConnector", {"shared_storage_path": path}, items, runs,
+                           progress)  # fmt: skip
+    return ours + theirs
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _pct(values: list[float], pct: int) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]
+
+
+def render(rows: list[HookRow]) -> str:
+    lines = [
+        "| item | hook | ECRedisConnector p50 ms | p99 ms | ECExampleConnector p50 ms | p99 ms |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    by_key = {(r.connector, r.item, r.hook): r for r in rows}
+    for item in dict.fromkeys(r.item for r in rows):
+        for hook in HOOKS:
+            ours = by_key.get(("ECRedisConnector", item, hook))
+            theirs = by_key.get(("ECExampleConnector", item, hook))
+            if ours is None or theirs is None:
+                continue
+            lines.append(
+                f"| {item} | {hook} | {ours.p50_ms:.3f} | {ours.p99_ms:.3f} "
+                f"| {theirs.p50_ms:.3f} | {theirs.p99_ms:.3f} |"
+            )
+    return "\n".join(lines)
