@@ -83,7 +83,7 @@ def test_metadata_is_small_and_picklable(make_connector: Make) -> None:
 
 def test_has_cache_item_never_blocks_and_is_false_until_staged(make_connector: Make) -> None:
     publish(make_connector, {"img": embedding(16, 128)})
-    scheduler = make_connector("ec_consumer")
+    scheduler = make_connector("ec_consumer", extra={"lookup_wait_s": 0})
     req = request("r1", ("img", 16))
     started = time.perf_counter()
     assert scheduler.ensure_cache_available(req, 0) is False  # lookup started, not awaited
@@ -120,6 +120,14 @@ def test_a_mismatching_tensor_is_a_miss_never_handed_to_vllm(
     assert wait_ready(scheduler, req), why
     assert scheduler.has_cache_item("img") is False, why
     assert scheduler.stats_snapshot()["rejected_items"] == 1
+
+
+def test_a_step_waits_for_an_in_flight_lookup_at_most_lookup_wait_s(make_connector: Make) -> None:
+    scheduler = make_connector("ec_consumer", extra={"lookup_wait_s": 0.05, "consumer_wait_s": 5})
+    req = request("r1", ("absent", 16))
+    started = time.perf_counter()
+    assert scheduler.ensure_cache_available(req, 0) is False
+    assert time.perf_counter() - started < 1.0  # bounded, never the full consumer wait
 
 
 def test_consumer_waits_for_an_item_still_being_written(make_connector: Make) -> None:
