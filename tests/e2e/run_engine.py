@@ -11,6 +11,7 @@ singleton. The spec (all keys but ``model`` optional)::
       "env": {"EC_REDIS_STATS_PATH": "..."},        # set before vLLM is imported
       "llm_kwargs": {"enable_prefix_caching": false}, # overrides the CPU defaults below
       "sampling": {"max_tokens": 4, "prompt_logprobs": 1, "seed": 0},
+      "patch": "tests.e2e.faults:flush_redis_after_first_hit",  # called before the engine
       "rounds": [[request, ...], ...]                 # or "requests": [request, ...] (one round)
     }
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib
 import json
 import logging
 import os
@@ -101,6 +103,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     rounds = spec["rounds"] if "rounds" in spec else [spec["requests"]]
     timings: dict[str, Any] = {"import": time.perf_counter() - started}
 
+    if spec.get("patch"):
+        # "module:function" called before the engine starts (fault injection for tests).
+        module_name, _, function = spec["patch"].partition(":")
+        getattr(importlib.import_module(module_name), function)(spec)
     llm = LLM(model=spec["model"], **llm_kwargs)
     timings["engine_init"] = time.perf_counter() - started - timings["import"]
     try:
@@ -113,10 +119,31 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             outputs = llm.generate(prompts, sampling, use_tqdm=False)
             timings["rounds"].append(time.perf_counter() - t0)
             results.append([_summarize(out) for out in outputs])
+        connector_stats = _connector_stats(llm)
     finally:
         shutdown_errors = _shutdown(llm)
     timings["total"] = time.perf_counter() - started
-    return {"rounds": results, "shutdown_errors": shutdown_errors, "timings_s": timings}
+    return {
+        "rounds": results,
+        "connector_stats": connector_stats,
+        "shutdown_errors": shutdown_errors,
+        "timings_s": timings,
+    }
+
+
+def _connector_stats(llm: Any) -> dict[str, Any]:
+    """Cumulative counters of both connector halves, when the connector offers them (the
+    scheduler half lives in the in-process engine core, the worker half is vLLM's singleton)."""
+    from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
+
+    out: dict[str, Any] = {}
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    scheduler = getattr(getattr(core, "scheduler", None), "ec_connector", None)
+    if scheduler is not None and hasattr(scheduler, "stats_snapshot"):
+        out["scheduler"] = scheduler.stats_snapshot()
+    if has_ec_transfer() and hasattr(get_ec_transfer(), "stats_snapshot"):
+        out["worker"] = get_ec_transfer().stats_snapshot()
+    return out
 
 
 def _engine_prompt(req: dict[str, Any], tokenizer: Any, make_image: Any) -> dict[str, Any]:
