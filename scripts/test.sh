@@ -16,9 +16,12 @@ fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q "${EC_REDIS_TORCH:-torch==2.13.0}"
 .venv/bin/python -m pip install -q -e '.[test]'
+# A real vLLM engine (CPU build) for the connector's end-to-end tests.
+bash scripts/install_vllm.sh .venv
 
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
 .venv/bin/mypy
-# EC_REDIS_REQUIRE_REDIS: a missing redis-server fails the run instead of skipping tests.
-EC_REDIS_REQUIRE_REDIS=1 .venv/bin/python -m pytest -p no:cacheprovider "$@"
+# EC_REDIS_REQUIRE_*: a missing redis-server or vLLM fails the run instead of skipping tests.
+EC_REDIS_REQUIRE_REDIS=1 EC_REDIS_REQUIRE_VLLM=1 \
+  .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from collections.abc import Iterator
@@ -15,12 +16,17 @@ from ec_redis.embedded import EmbeddedRedis
 
 HAS_REDIS_SERVER = shutil.which("redis-server") is not None
 HAS_CUDA = torch.cuda.is_available()
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "vllm" in item.keywords and not HAS_VLLM:
+            if os.environ.get("EC_REDIS_REQUIRE_VLLM") == "1":
+                raise pytest.UsageError("vLLM is required (scripts/install_vllm.sh installs it)")
+            item.add_marker(pytest.mark.skip(reason="needs vLLM (scripts/install_vllm.sh)"))
         if "redis" in item.keywords and not HAS_REDIS_SERVER:
             if os.environ.get("EC_REDIS_REQUIRE_REDIS") == "1":
                 raise pytest.UsageError("redis-server is required (scripts/test.sh installs it)")

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,18 +10,6 @@ from unittest.mock import Mock
 
 import pytest
 import torch
-
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_VLLM:
-        return
-    if os.environ.get("EC_REDIS_REQUIRE_VLLM") == "1":
-        raise pytest.UsageError("vLLM is required (scripts/install_vllm.sh installs it)")
-    for item in items:
-        if "tests/connector" in str(item.fspath):
-            item.add_marker(pytest.mark.skip(reason="needs vLLM (scripts/install_vllm.sh)"))
 
 
 @dataclass

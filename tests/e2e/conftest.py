@@ -9,10 +9,6 @@ import pytest
 from tests.e2e.harness import tiny_llava
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "vllm: runs real vLLM engines (CPU) in subprocesses")
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny LLaVA model, seed 0."""
