@@ -90,3 +90,14 @@ def test_gpu_eviction_spills_to_pinned_cpu_tier() -> None:
         got = cache.get("a")
         assert got is not None and got.device.type == "cuda" and torch.equal(got, item)
         assert cache.stats()["cpu"]["hits"] == 1
+
+
+def test_on_host_lookups_never_hand_out_pooled_pinned_memory() -> None:
+    item = _device_embedding(seed=7)
+    nbytes = item.numel() * item.element_size()
+    config = CacheConfig(device="cuda", gpu_cache_bytes=0, cpu_cache_bytes=8 * nbytes)
+    with TieredCache(config) as cache:
+        cache.put("a", item)  # CPU tier: a pooled pinned copy
+        got = cache.get_many(["a"], on_host=True)["a"]
+        assert got is not None and got.device.type == "cpu" and not got.is_pinned()
+        assert torch.equal(got, item.cpu())

@@ -696,3 +696,18 @@ def test_invalid_item_ids_are_a_clear_error_before_any_tier(bad: object) -> None
         with pytest.raises(ValueError, match="item id"):
             cache.get(bad)  # type: ignore[arg-type]
         assert cache.stats()["cpu"]["entries"] == 0
+
+
+def test_on_host_lookups_return_owned_host_tensors_and_promote_nothing() -> None:
+    tensor = embedding(64, 128, seed=3)
+    nbytes = tensor.numel() * tensor.element_size()
+    config = {"gpu_cache_bytes": nbytes * 4, "cpu_cache_bytes": nbytes * 4}
+    with TieredCache.from_config(config) as cache:
+        cache.put("k", tensor)
+        cache.gpu.delete("k")  # only the CPU tier has it now
+        got = cache.get_many(["k", "absent"], on_host=True)
+        assert got["absent"] is None
+        found = got["k"]
+        assert found is not None and found.device.type == "cpu" and torch.equal(found, tensor)
+        assert not cache.gpu.contains("k")  # an on-host lookup promotes nothing to the GPU
+        assert cache.stats()["cpu"]["hits"] == 1

@@ -89,18 +89,25 @@ class TieredCache:
         """The tensor for ``key`` on ``self.device``, or ``None``."""
         return self.get_many([key])[key]
 
-    def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor | None]:
-        """Look up several ids; the Redis misses of local tiers go in one pipelined batch."""
+    def get_many(
+        self, keys: Iterable[str], *, on_host: bool = False
+    ) -> dict[str, torch.Tensor | None]:
+        """Look up several ids; the Redis misses of local tiers go in one pipelined batch.
+
+        ``on_host=True`` returns host tensors that own their memory (never pooled pinned
+        buffers, which return to their pool) and promotes nothing to the GPU tier: for
+        handing items to another process or to code that copies them itself.
+        """
         out: dict[str, torch.Tensor | None] = {}
         remote: list[str] = []
         for key in dict.fromkeys(map(_check_key, keys)):
-            out[key] = self._get_local(key)
+            out[key] = self._get_local(key, on_host)
             if out[key] is None:
                 remote.append(key)
         if remote and self.redis is not None and not self._closed:
             for key, host_tensor in self._redis_get_many(remote).items():
                 if host_tensor is not None:
-                    out[key] = self._promote(key, HostCopy(host_tensor))
+                    out[key] = self._promote(key, HostCopy(host_tensor), on_host)
         hits = sum(v is not None for v in out.values())
         self.counters.inc("hits", hits)
         self.counters.inc("misses", len(out) - hits)
@@ -116,23 +123,32 @@ class TieredCache:
             self._log.warning("internal", "ec_redis: unexpected error in a Redis read: %r", exc)
             return {}
 
-    def _get_local(self, key: str) -> torch.Tensor | None:
+    def _get_local(self, key: str, on_host: bool = False) -> torch.Tensor | None:
         tensor = self.gpu.get(key) if self.gpu.enabled else None
         if tensor is not None:
-            return tensor
-        tensor = self.cpu.get(key) if self.cpu.enabled else None
-        if tensor is not None:
-            self.gpu.put(key, tensor)
-            return tensor
+            return _owned_host(tensor) if on_host else tensor
+        if on_host:
+            host = self.cpu.get_host_copy(key) if self.cpu.enabled else None
+            if host is not None:
+                host.wait()
+                return _owned_host(host.tensor)
+        else:
+            tensor = self.cpu.get(key) if self.cpu.enabled else None
+            if tensor is not None:
+                self.gpu.put(key, tensor)
+                return tensor
         if self.writer is not None:
             pending = self.writer.pending(key)  # put but not yet in Redis: read your writes
             if pending is not None:
                 self.counters.inc("pending_write_hits")
-                return self._promote(key, pending)
+                return self._promote(key, pending, on_host)
         return None
 
-    def _promote(self, key: str, host: HostCopy) -> torch.Tensor:
+    def _promote(self, key: str, host: HostCopy, on_host: bool = False) -> torch.Tensor:
         self.cpu.put_host(key, host)
+        if on_host:
+            host.wait()
+            return _owned_host(host.tensor)
         tensor = self._transfer.to_device(host)
         self.gpu.put(key, tensor)
         return tensor
@@ -221,6 +237,14 @@ class TieredCache:
         if self.writer is not None:
             out["writer"] = self.writer.stats()
         return out
+
+
+def _owned_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor that owns its memory: device tensors are copied down, pooled pinned
+    buffers are cloned (their block goes back to the pool), plain host tensors are kept."""
+    if tensor.device.type != "cpu":
+        return tensor.to("cpu")
+    return tensor.clone() if tensor.is_pinned() else tensor
 
 
 def _check_key(key: str) -> str:

@@ -7,6 +7,7 @@ a failed or hung engine raises ``EngineRunError`` with the tail of its log.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -213,10 +214,8 @@ class ApiServer:
 
     def kill(self) -> None:
         _signal_group(self.proc.pid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def wait_healthy(servers: list[ApiServer], timeout_s: float = 240) -> dict[str, float]:
@@ -249,15 +248,11 @@ def stop_servers(servers: list[ApiServer], grace_s: float = 10) -> None:
         server.terminate()
     deadline = time.monotonic() + grace_s
     for server in servers:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             server.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
         server.kill()  # also ends group members that outlive the leader
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -94,7 +94,7 @@ class Stager:
     def _run(self, batch: list[str]) -> None:
         started = time.perf_counter()
         try:
-            found = self._cache.get_many(batch)
+            found = self._cache.get_many(batch, on_host=True)  # staged bytes cross processes
         except Exception as exc:  # never let a lookup thread die silently
             self._log.warning("stage", "ec_redis: lookup failed: %r", exc)
             found = {}

@@ -74,11 +74,10 @@ class WorkerSide:
         for load in meta.loads:
             if load.mm_hash in encoder_cache:
                 continue
-            tensor = load.tensor
-            if self._device.type == "cpu":
-                tensor = tensor.clone()  # never hand vLLM memory that aliases cache bytes
-            else:
-                tensor = tensor.to(self._device, non_blocking=tensor.is_pinned())
+            # On CPU, clone: never hand vLLM memory that aliases the cache's (read-only) bytes.
+            # On a GPU, the host->device copy is the one copy (staged memory is pageable).
+            on_cpu = self._device.type == "cpu"
+            tensor = load.tensor.clone() if on_cpu else load.tensor.to(self._device)
             encoder_cache[load.mm_hash] = tensor
             self._published.add(load.mm_hash)  # it came from the cache: nothing to publish
             nbytes = tensor_nbytes(tensor)

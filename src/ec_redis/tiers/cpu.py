@@ -23,6 +23,10 @@ class HostTier(LocalTier[HostCopy]):
         host = self._lookup(key)
         return None if host is None else self._transfer.to_device(host)
 
+    def get_host_copy(self, key: str) -> HostCopy | None:
+        """The stored host copy itself (a counted hit or miss), without a device copy."""
+        return self._lookup(key)
+
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Store a copy of ``tensor`` (an asynchronous D2H copy for device tensors)."""
         if not self.enabled:

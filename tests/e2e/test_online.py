@@ -1,0 +1,176 @@
+"""The online shape: a baseline, an encoder and a PD OpenAI server, with a real Redis between.
+
+Emulates vLLM's EPD proxy (``disagg_epd_proxy.py``): each chat request goes to the encoder
+server (an ``ec_producer``, which only encodes and answers with no tokens), then to the PD
+server (an ``ec_consumer``). PD's generated tokens and prompt logprobs must equal those of a
+server without any EC connector, bit for bit, and PD's metrics must show that it took the
+image embeddings from Redis instead of encoding them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+
+from tests.e2e.harness import ApiServer, requires_vllm, stop_servers, wait_healthy
+from tests.e2e.tiny_model import image_data_url, make_image
+
+pytestmark = [*requires_vllm, pytest.mark.redis]
+
+EC_CONNECTOR = {
+    "ec_connector": "ECRedisConnector",
+    "ec_connector_module_path": "ec_redis.connector",
+}
+REQUEST_TIMEOUT_S = 120
+
+
+@pytest.fixture
+def servers(redis_url: str, tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, ApiServer]]:
+    """The three servers, started together and always stopped (process groups killed)."""
+    extra = {"redis_url": redis_url}
+    configs: dict[str, dict[str, Any] | None] = {
+        "baseline": None,
+        "encoder": {**EC_CONNECTOR, "ec_role": "ec_producer", "ec_connector_extra_config": extra},
+        # A generous wait: on two busy cores the encoder's Redis write may land late.
+        "pd": {
+            **EC_CONNECTOR,
+            "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {**extra, "consumer_wait_s": 10},
+        },
+    }
+    started: list[ApiServer] = []
+    try:
+        # All three at once: start-up is mostly single-threaded imports, and three at a time
+        # on two cores is no slower in total than two and then one.
+        for name, config in configs.items():
+            started.append(ApiServer(name, tiny_model, tmp_path, ec_transfer_config=config))
+        ready = wait_healthy(started, timeout_s=240)
+        print(f"servers healthy after (s): {ready}")
+        yield {server.name: server for server in started}
+    finally:
+        stop_servers(started)
+
+
+def chat_request(model: Path, image_seed: int) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": image_data_url(make_image(image_seed))},
+                    },
+                    {"type": "text", "text": "What is shown in this image?"},
+                ],
+            }
+        ],
+        "temperature": 0,
+        "max_tokens": 4,
+        "seed": 0,
+        "logprobs": True,
+        "prompt_logprobs": 1,  # a vLLM extension of chat completions
+        "return_token_ids": True,  # another: prompt_token_ids and the choice's token_ids
+    }
+
+
+def post_chat(server: ApiServer, body: dict[str, Any]) -> dict[str, Any]:
+    response = requests.post(
+        f"{server.url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S
+    )
+    assert response.status_code == 200, (
+        f"{server.name}: HTTP {response.status_code}: {response.text[:2000]}\n{server.log_tail()}"
+    )
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def comparable(answer: dict[str, Any]) -> dict[str, Any]:
+    """What must match between PD and the baseline (ids and timestamps never do)."""
+    choice = answer["choices"][0]
+    return {
+        "prompt_token_ids": answer["prompt_token_ids"],
+        "prompt_logprobs": answer["prompt_logprobs"],
+        "token_ids": choice["token_ids"],
+        "text": choice["message"]["content"],
+        "logprobs": choice["logprobs"],
+        "finish_reason": choice["finish_reason"],
+        "usage": answer["usage"],
+    }
+
+
+def metric_total(server: ApiServer, name: str) -> float | None:
+    """The sum over all label sets of ``name`` on the server's /metrics; None if absent."""
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    values = [
+        float(m.group(1))
+        for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    ]
+    return sum(values) if values else None
+
+
+def wait_for(check: Any, timeout_s: float = 10) -> Any:
+    """Poll ``check()`` until it returns a truthy value or the deadline passes; return it."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
+def test_encoder_then_pd_matches_baseline(
+    servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
+) -> None:
+    baseline, encoder, pd = servers["baseline"], servers["encoder"], servers["pd"]
+    store = redis.Redis.from_url(redis_url)
+    try:
+        baselines = []
+        for n, image_seed in enumerate((0, 1), start=1):
+            body = chat_request(tiny_model, image_seed)
+            # The proxy's order: the encoder answers once the image is encoded (no tokens;
+            # its Redis write may still be in flight), then PD gets the same request at once.
+            encoded = post_chat(encoder, body)
+            assert encoded["usage"]["completion_tokens"] == 0, encoded
+            disaggregated = comparable(post_chat(pd, body))
+            expected = comparable(post_chat(baseline, body))
+            baselines.append(expected)
+
+            assert len(expected["token_ids"]) == 4
+            assert expected["prompt_logprobs"][0] is None
+            assert len(expected["prompt_logprobs"]) == len(expected["prompt_token_ids"])
+            assert disaggregated == expected, f"image {image_seed}: PD differs from baseline"
+
+            # One Redis entry per distinct image, written by the encoder (PD, a pure
+            # consumer, never writes). The encoder's own saved_items_total cannot show this:
+            # vLLM 0.32's V1 model runner never forwards worker-side connector stats
+            # (ECConnectorOutput.ec_connector_stats stays None), so the counters of the
+            # connector's worker half (saved_*, loaded_*) never reach /metrics.
+            assert wait_for(lambda n=n: store.dbsize() >= n) and store.dbsize() == n
+
+            # PD took every image from Redis and encoded none itself. These counters come
+            # from the connector's scheduler half, which vLLM polls every step.
+            hits = wait_for(
+                lambda n=n: (metric_total(pd, "vllm:ec_redis_hits_redis_total") or 0) >= n
+            )
+            assert hits, f"PD has no Redis hit for image {image_seed}\n{pd.log_tail()}"
+            assert metric_total(pd, "vllm:ec_redis_hits_redis_total") == n
+            assert metric_total(pd, "vllm:ec_redis_local_fallbacks_total") in (0, None)
+            assert metric_total(pd, "vllm:ec_redis_rejected_items_total") in (0, None)
+
+        # The check is not vacuous: the two images really change the model's view.
+        assert baselines[0]["prompt_token_ids"] == baselines[1]["prompt_token_ids"]
+        assert baselines[0]["prompt_logprobs"] != baselines[1]["prompt_logprobs"]
+        # The encoder's scheduler-side stats reach /metrics too. They lag one request: an
+        # encoder-only V1 runner returns no connector output, so the engine stops stepping
+        # (and reporting) as soon as the encode step ends, before the write lands. By the
+        # second image, the first one's bytes have been counted.
+        assert (metric_total(encoder, "vllm:ec_redis_redis_written_bytes_total") or 0) > 0
+    finally:
+        store.close()
