@@ -704,7 +704,10 @@ def test_on_host_lookups_return_owned_host_tensors_and_promote_nothing() -> None
     config = {"gpu_cache_bytes": nbytes * 4, "cpu_cache_bytes": nbytes * 4}
     with TieredCache.from_config(config) as cache:
         cache.put("k", tensor)
-        cache.gpu.delete("k")  # only the CPU tier has it now
+        gpu_hit = cache.get_many(["k"], on_host=True)["k"]
+        assert gpu_hit is not None and torch.equal(gpu_hit, tensor)
+        cache.gpu.delete("k")
+        cache.cpu.put("k", tensor)  # only the CPU tier has it now
         got = cache.get_many(["k", "absent"], on_host=True)
         assert got["absent"] is None
         found = got["k"]
