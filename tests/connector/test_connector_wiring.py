@@ -186,3 +186,25 @@ def test_the_core_never_imports_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.redis
+def test_worker_stats_reach_vllm_through_the_scheduler_half_exactly_once(
+    make_connector: Make,
+) -> None:
+    """vLLM's V1 runner drops worker-side stats: the scheduler half in the same process
+    reports them, and an increment taken by one path is never reported again."""
+    scheduler = make_connector("ec_producer")
+    worker = make_connector("ec_producer", "worker")
+    worker.save_caches(encoder_cache={"a": embedding(16, 128)}, mm_hash="a")
+    worker.save_caches(encoder_cache={"b": embedding(16, 128)}, mm_hash="b")
+    stats = scheduler.get_ec_connector_stats()
+    assert stats is not None and stats.data["saved_items"] == 2
+    assert len(stats.data["save_seconds"]) == 2
+    again = worker.get_ec_connector_stats()  # the V2 path, after the scheduler took them
+    assert again is None or "saved_items" not in again.data
+    worker.save_caches(encoder_cache={"c": embedding(16, 128)}, mm_hash="c")
+    v2 = worker.get_ec_connector_stats()
+    assert v2 is not None and v2.data["saved_items"] == 1
+    later = scheduler.get_ec_connector_stats()
+    assert later is None or "saved_items" not in later.data

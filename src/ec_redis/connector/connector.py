@@ -62,6 +62,7 @@ class ECRedisConnector(ECConnectorBase):
                 is_producer=self.is_producer,
                 saves=self.is_producer and _tp_rank() == 0,
             )
+            shared.add_worker(self._cache, self._worker)
         logger.info(
             "ec_redis: %s connector (%s) for %s; redis %s",
             role.name.lower(),
@@ -134,16 +135,27 @@ class ECRedisConnector(ECConnectorBase):
     # -- both sides -------------------------------------------------------------------------
 
     def get_ec_connector_stats(self) -> ECRedisStats | None:
-        data = self.stats_snapshot()
-        stats = ECRedisStats(data=self._deltas(data))
+        """Per-interval increments. The scheduler half also reports the worker halves in its
+        process (vLLM's V1 runner drops worker stats); each increment is reported once."""
+        if self._worker is not None:
+            stats = ECRedisStats(data=self._worker.take_stats())
+        else:
+            assert self._scheduler is not None
+            stats = ECRedisStats(data=self._deltas(self.stats_snapshot()))
+            stats.data.update(self._scheduler.take_observations())
+            for worker in shared.workers_of(self._cache):
+                stats.aggregate(ECRedisStats(data=worker.take_stats()))
+            if "write_queue_depth" in stats.data:
+                self._scheduler.reported_queue_depth = stats.data["write_queue_depth"]
         return None if stats.is_empty() else stats
 
     def stats_snapshot(self) -> dict[str, Any]:
-        """Cumulative counters of this half plus its cache (for tests and tools)."""
-        side = self._scheduler or self._worker
-        data = cache_counters(self._cache.stats()) if self._scheduler is not None else {}
-        if side is not None:
-            data.update(side.stats_data())
+        """Cumulative counters of this half (the scheduler half: plus its cache's)."""
+        if self._worker is not None:
+            return self._worker.snapshot()
+        assert self._scheduler is not None
+        data: dict[str, Any] = cache_counters(self._cache.stats())
+        data.update(self._scheduler.snapshot())
         return data
 
     def shutdown(self) -> None:
@@ -152,6 +164,8 @@ class ECRedisConnector(ECConnectorBase):
         self._closed = True
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._worker is not None:
+            shared.remove_worker(self._cache, self._worker)
         shared.release(self._cache)
 
     @classmethod

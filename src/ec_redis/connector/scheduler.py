@@ -90,6 +90,7 @@ class SchedulerSide:
         self._unavailable: set[str] = set()
         self._pending_writes = 0
         self._pending_reported_at = 0.0
+        self.reported_queue_depth = 0.0  # the write-queue gauge as last reported to vLLM
         self._log = RateLimitedLog()
 
     # -- the scheduling hot path -----------------------------------------------------------
@@ -203,9 +204,19 @@ class SchedulerSide:
             self._pending_reported_at = self._clock()
 
     def has_pending_push_work(self) -> bool:
-        """Keep a producer-only engine stepping while its Redis writes drain (bounded)."""
+        """Keep a producer-only engine stepping while its Redis writes drain.
+
+        With the worker in this process the shared cache's write queue says so directly
+        (vLLM's V1 encoder-only path drops worker metadata); otherwise the last report from
+        the workers counts, for a bounded time.
+        """
+        if not self._is_producer or self._is_consumer:
+            return False
+        writer = self._cache.writer
+        if writer is not None and (writer.depth()[0] > 0 or self.reported_queue_depth > 0):
+            return True  # one more step after draining reports the queue as empty
         fresh = self._clock() - self._pending_reported_at < PUSH_REPORT_FRESH_S
-        return self._is_producer and not self._is_consumer and self._pending_writes > 0 and fresh
+        return self._pending_writes > 0 and fresh
 
     def take_unavailable_requests(self) -> set[str]:
         failed, self._unavailable = self._unavailable, set()
@@ -222,12 +233,17 @@ class SchedulerSide:
         self._validated.discard(item)
         self._allocated.get(request.request_id, set()).discard(item)
 
-    def stats_data(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative counters plus the staged-bytes gauge."""
         out: dict[str, Any] = dict(self.counters.snapshot())
         out["staged_bytes"] = self._stager.staged_bytes
-        if self._fetch_seconds:
-            out["fetch_seconds"], self._fetch_seconds[:] = list(self._fetch_seconds), []
         return out
+
+    def take_observations(self) -> dict[str, list[float]]:
+        if not self._fetch_seconds:
+            return {}
+        taken, self._fetch_seconds[:] = list(self._fetch_seconds), []
+        return {"fetch_seconds": taken}
 
     def shutdown(self) -> None:
         self._stager.close()

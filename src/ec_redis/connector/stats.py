@@ -95,7 +95,8 @@ class ECRedisStats(ECConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(v for v in self.data.values())
+        # Deltas carry only what changed, so a gauge that fell to 0 is still news.
+        return not self.data
 
 
 class ECRedisPromMetrics(ECConnectorPromMetrics):
@@ -154,15 +155,21 @@ class Deltas:
         self._last: dict[str, float] = {}
 
     def __call__(self, current: dict[str, Any]) -> dict[str, Any]:
+        """Counters as increments, gauges when they changed, observation lists as they are."""
         out: dict[str, Any] = {}
         for key, value in current.items():
-            if isinstance(value, list) or key in GAUGES:
-                out[key] = value
-                continue
-            change = value - self._last.get(key, 0)
-            self._last[key] = value
-            if change:
-                out[key] = change
+            if isinstance(value, list):
+                if value:
+                    out[key] = value
+            elif key in GAUGES:
+                if self._last.get(key) != value:
+                    out[key] = value
+                    self._last[key] = value
+            else:
+                change = value - self._last.get(key, 0)
+                self._last[key] = value
+                if change:
+                    out[key] = change
         return out
 
 

@@ -16,6 +16,7 @@ rank 0 only; loads happen on every rank.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 from ec_redis.cache import TieredCache
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata
+from ec_redis.connector.stats import Deltas
 from ec_redis.errors import TensorError
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -65,6 +67,8 @@ class WorkerSide:
         self._published = _RecentSet()
         self.counters = Counters()
         self._observations: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}
+        self._stats_lock = threading.Lock()
+        self._deltas = Deltas()
         self._log = RateLimitedLog()
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Any) -> None:
@@ -125,10 +129,17 @@ class WorkerSide:
         if len(series) < 1024:
             series.append(value)
 
-    def stats_data(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.counters.snapshot())
-        for name, series in self._observations.items():
-            if series:
-                out[name] = list(series)
-                series.clear()
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative counters (for tests and tools)."""
+        return dict(self.counters.snapshot())
+
+    def take_stats(self) -> dict[str, Any]:
+        """Counter increments and observations since the last call (whoever calls: vLLM's V2
+        runner on the worker, or the co-located scheduler half under V1)."""
+        with self._stats_lock:
+            out = self._deltas(self.counters.snapshot())
+            for name, series in self._observations.items():
+                if series:
+                    out[name] = list(series)
+                    series.clear()
         return out
