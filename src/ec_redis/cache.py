@@ -52,6 +52,7 @@ class TieredCache:
         self._log = RateLimitedLog()
         self.redis: RedisTier | None = None
         self.writer: BackgroundWriter | None = None
+        check = redis_client is None and config.redis_check_on_start
         if redis_client is None and config.redis_url:
             from ec_redis.redis_conn import make_client
 
@@ -67,6 +68,8 @@ class TieredCache:
                     config.breaker_max_cooldown_s,
                 ),
             )
+            if check:
+                self._check_redis(redis_client)
             self.writer = BackgroundWriter(
                 self._write_to_redis,
                 config.write_queue_items,
@@ -74,6 +77,23 @@ class TieredCache:
                 config.writer_threads,
             )
         self._closed = False
+
+    def _check_redis(self, client: Any) -> None:
+        """Fail start-up on a configuration problem; only warn about an outage."""
+        from ec_redis.redis_conn import check_connection
+
+        assert self.redis is not None
+        try:
+            outage = check_connection(client)
+        except Exception:
+            self.redis.close()
+            raise
+        if outage is not None:
+            self.redis.breaker.failure()
+            self._log.warning(
+                "start", "ec_redis: Redis %s unreachable at start (%s); serving local tiers "
+                "until it answers", self.config.describe()["redis_url"], outage,
+            )  # fmt: skip
 
     @classmethod
     def from_config(

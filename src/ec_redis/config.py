@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from ec_redis.errors import ConfigError
+from ec_redis.redis_url import mask_url
+from ec_redis.redis_url import validate as validate_redis_url
 from ec_redis.units import parse_bytes
 
 COMPRESSIONS = ("none", "lz4", "auto")
-REDIS_SCHEMES = ("redis", "rediss", "unix")
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MiB = 1024**2
 _GiB = 1024**3
@@ -98,9 +99,7 @@ def _redis_url(value: object) -> str | None:
     if value is None or value == "":
         return None
     text = _text(value)
-    scheme = urlsplit(text).scheme
-    if scheme not in REDIS_SCHEMES:
-        raise ValueError(f"scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
+    validate_redis_url(text)
     return text
 
 
@@ -125,6 +124,38 @@ class CacheConfig:
             _redis_url,
             '"redis://:password@redis-host:6379/0"',
             "Redis server for the shared cold tier; null/empty turns the Redis tier off.",
+        ),
+    )
+    tls_ca_file: str = field(
+        default="",
+        metadata=_key(_text, '"/etc/redis/tls/ca.crt"', "CA bundle that signs the server's cert."),
+    )
+    tls_cert_file: str = field(
+        default="",
+        metadata=_key(_text, '"/etc/redis/tls/client.crt"', "Client cert (mutual TLS)."),
+    )
+    tls_key_file: str = field(
+        default="",
+        metadata=_key(_text, '"/etc/redis/tls/client.key"', "Client key (mutual TLS)."),
+    )
+    tls_verify: str = field(
+        default="required",
+        metadata=_key(
+            _choice("required", "none"), '"required"', "Verify the server certificate, or not."
+        ),
+    )
+    tls_check_hostname: bool = field(
+        default=True,
+        metadata=_key(_bool, "true", "Check the server certificate names the host dialled."),
+    )
+    sentinel_password: str = field(
+        default="",
+        metadata=_key(_text, '"sentinel-secret"', "Password of the Sentinels themselves, if any."),
+    )
+    redis_check_on_start: bool = field(
+        default=True,
+        metadata=_key(
+            _bool, "true", "PING at start: bad credentials or TLS fail start-up; an outage warns."
         ),
     )
     namespace: str = field(
@@ -268,6 +299,14 @@ class CacheConfig:
         _reject_unknown(raw, cls.keys())
         return cls(**_parse_fields(cls, raw))
 
+    def check_files(self) -> None:
+        """Raise ``ConfigError`` for a TLS file that does not exist (checked when the client
+        is built, so a config can be parsed on a machine without the files)."""
+        for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            path = getattr(self, key)
+            if path and not os.path.isfile(path):
+                raise ConfigError(_message(key, "no such file", path))
+
     def describe(self) -> dict[str, Any]:
         """The settings as a dict, with any password in ``redis_url`` masked (safe to log)."""
         out = dataclasses.asdict(self)
@@ -375,15 +414,3 @@ def _masked(value: object) -> object:
         return mask_url(value)
     except ValueError:
         return "***"
-
-
-def mask_url(url: str | None) -> str | None:
-    """Hide the password of a Redis URL: ``redis://user:***@host:6379/0``."""
-    if not url:
-        return url
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return parts._replace(netloc=f"{user}:***@{netloc}").geturl()

@@ -22,3 +22,8 @@ class BlobTooLargeError(BlobError):
 
 class TensorError(ECRedisError, ValueError):
     """A tensor cannot be cached: unsupported dtype, layout or size."""
+
+
+class RedisSetupError(ECRedisError):
+    """Redis answered but refuses this client as configured (credentials, ACL rights, TLS
+    trust): a configuration problem that stops start-up, unlike an outage, which degrades."""

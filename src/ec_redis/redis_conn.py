@@ -1,45 +1,188 @@
-"""Builds the redis-py client: one bounded blocking pool, timeouts, retry with backoff,
-and a zero-copy command packer so large values are sent straight from tensor memory."""
+"""Builds the redis-py client for any topology: one server, Redis Cluster or Sentinel.
+
+Every client gets: bounded connections, connect and socket timeouts, retry with exponential
+backoff (a value passed in, not a flag), TLS from the config, and a zero-copy command packer
+so large values go from tensor memory straight to the socket. ``check_connection`` tells a
+configuration problem (bad credentials, TLS trust) from an outage.
+"""
 
 from __future__ import annotations
 
+import ssl
+from typing import Any
+
 import redis
 from redis.backoff import ExponentialBackoff
-from redis.connection import BlockingConnectionPool, PythonRespSerializer
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import (
+    BlockingConnectionPool,
+    Connection,
+    PythonRespSerializer,
+    SSLConnection,
+    UnixDomainSocketConnection,
+)
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from ec_redis.config import CacheConfig
+from ec_redis.errors import RedisSetupError
+from ec_redis.redis_url import parse_target
 
 # Arguments above this size are sent as their own buffer, never copied into the command.
 _BUFFER_CUTOFF = 64 * 1024
 
 
-def make_client(config: CacheConfig) -> redis.Redis:
+def _packer() -> PythonRespSerializer:
+    # hiredis' packer copies every argument into one string (two copies of a 16 MB value);
+    # redis-py's Python packer sends large bytes/memoryviews as separate buffers (none).
+    return PythonRespSerializer(_BUFFER_CUTOFF, _encode)
+
+
+class ZeroCopyConnection(Connection):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", _packer())
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+class ZeroCopySSLConnection(SSLConnection):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", _packer())
+        super().__init__(*args, **kwargs)
+
+
+class ZeroCopyUnixConnection(UnixDomainSocketConnection):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", _packer())
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+def make_client(config: CacheConfig) -> Any:
     """A client for ``config.redis_url``; connecting is lazy (no I/O happens here)."""
     assert config.redis_url is not None
+    config.check_files()
+    target = parse_target(config.redis_url)
+    common = _common_kwargs(config)
+    if target.kind == "cluster":
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],  # type: ignore[no-untyped-call]
+            username=target.username,
+            password=target.password,
+            connection_class=ZeroCopySSLConnection if target.tls else ZeroCopyConnection,
+            max_connections=config.redis_max_connections,  # per node
+            require_full_coverage=False,  # serve the slots that are up during a failover
+            **_tls_kwargs(config, target.tls),
+            **common,
+        )
+    if target.kind == "sentinel":
+        sentinel_kwargs: dict[str, Any] = {
+            "socket_timeout": config.redis_socket_timeout_s,
+            "socket_connect_timeout": config.redis_connect_timeout_s,
+            **_tls_kwargs(config, target.tls),
+        }
+        if config.sentinel_password:
+            sentinel_kwargs["password"] = config.sentinel_password
+        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+        return sentinel.master_for(  # type: ignore[no-untyped-call]
+            target.service,
+            username=target.username,
+            password=target.password,
+            db=target.db,
+            command_packer=_packer(),
+            ssl=target.tls,
+            **_tls_kwargs(config, target.tls),
+            **common,
+        )
+    unix = config.redis_url.startswith("unix://")
+    connection_class = (
+        ZeroCopyUnixConnection
+        if unix
+        else ZeroCopySSLConnection
+        if target.tls
+        else ZeroCopyConnection
+    )
+    pool = BlockingConnectionPool.from_url(
+        config.redis_url,
+        max_connections=config.redis_max_connections,
+        timeout=config.redis_socket_timeout_s,  # wait for a free connection at most this long
+        connection_class=connection_class,
+        **_tls_kwargs(config, target.tls),
+        **common,
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def _common_kwargs(config: CacheConfig) -> dict[str, Any]:
     retry = Retry(
         ExponentialBackoff(cap=max(config.redis_backoff_s * 8, 0.001), base=config.redis_backoff_s),
         retries=config.redis_retries,
         supported_errors=(RedisConnectionError, RedisTimeoutError, OSError),
     )
-    # hiredis' packer copies every argument into one string (two copies of a 16 MB value);
-    # redis-py's Python packer sends large bytes/memoryviews as separate buffers (none).
-    packer = PythonRespSerializer(_BUFFER_CUTOFF, _encode)
-    pool = BlockingConnectionPool.from_url(
-        config.redis_url,
-        max_connections=config.redis_max_connections,
-        timeout=config.redis_socket_timeout_s,  # wait for a free connection at most this long
-        socket_timeout=config.redis_socket_timeout_s,
-        socket_connect_timeout=config.redis_connect_timeout_s,
-        socket_keepalive=True,
-        health_check_interval=30,
-        retry=retry,
-        command_packer=packer,
-        client_name="ec_redis",
-    )
-    return redis.Redis(connection_pool=pool)
+    return {
+        "socket_timeout": config.redis_socket_timeout_s,
+        "socket_connect_timeout": config.redis_connect_timeout_s,
+        "socket_keepalive": True,
+        "health_check_interval": 30,
+        "retry": retry,
+        "client_name": "ec_redis",
+    }
+
+
+def _tls_kwargs(config: CacheConfig, tls: bool) -> dict[str, Any]:
+    if not tls:
+        return {}
+    return {
+        "ssl_ca_certs": config.tls_ca_file or None,
+        "ssl_certfile": config.tls_cert_file or None,
+        "ssl_keyfile": config.tls_key_file or None,
+        "ssl_cert_reqs": "required" if config.tls_verify == "required" else "none",
+        "ssl_check_hostname": config.tls_check_hostname and config.tls_verify == "required",
+    }
+
+
+def check_connection(client: Any) -> str | None:
+    """PING once. Raises ``RedisSetupError`` for problems that are configuration (wrong
+    password, missing ACL rights, TLS trust); returns a description for an outage (refused,
+    timed out), which the cache survives; ``None`` when Redis answered."""
+    try:
+        client.ping()
+    except AuthenticationError as exc:
+        raise RedisSetupError(
+            f"Redis rejected the credentials ({exc}); fix the user:password in redis_url, "
+            "e.g. redis://cache-user:secret@host:6379/0"
+        ) from None
+    except ResponseError as exc:
+        if "NOAUTH" in str(exc) or "NOPERM" in str(exc) or "WRONGPASS" in str(exc):
+            raise RedisSetupError(
+                f"Redis refused this client ({exc}); give redis_url a user and password with "
+                "rights on the cache's keys, e.g. redis://cache-user:secret@host:6379/0"
+            ) from None
+        raise
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        if _tls_trust_problem(exc):
+            raise RedisSetupError(
+                f"TLS handshake with Redis failed ({exc}); set tls_ca_file to the CA that "
+                "signed the server's certificate (and tls_cert_file/tls_key_file if the "
+                "server requires client certificates)"
+            ) from None
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _tls_trust_problem(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        text = str(seen)
+        if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+            return True
+        if "SSL" in text and ("alert" in text or "handshake" in text):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _encode(value: object) -> bytes | memoryview:

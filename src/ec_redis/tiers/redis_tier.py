@@ -257,8 +257,16 @@ class RedisTier(Tier):
         return False
 
     def _failed(self, op: str, exc: BaseException) -> None:
-        self.breaker.failure()
+        """Count a failed call. A reply from a healthy server (an OOM or ACL refusal) is not
+        an outage: only connection errors and timeouts count towards the circuit breaker."""
         self.counters.inc("errors")
+        if isinstance(exc, redis.ResponseError):
+            text = str(exc)
+            kind = "oom" if text.startswith("OOM") else "noperm" if "NOPERM" in text else "reply"
+            self.counters.inc(f"{kind}_errors")
+            self.breaker.success()
+        else:
+            self.breaker.failure()
         self._log.warning(
             "redis-" + op, "ec_redis: Redis %s failed (%s: %s); treating as a miss",
             op, type(exc).__name__, exc,
