@@ -61,7 +61,7 @@ class TieredCache:
             self.redis = RedisTier(
                 redis_client,
                 KeyBuilder(config.namespace, self.identity, config.tenant_salt),
-                _tier_options(config),
+                _tier_options(config, self.identity),
                 CircuitBreaker(
                     config.breaker_failures,
                     config.breaker_cooldown_s,
@@ -298,7 +298,7 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def _tier_options(config: CacheConfig) -> RedisTierOptions:
+def _tier_options(config: CacheConfig, identity: ModelIdentity) -> RedisTierOptions:
     return RedisTierOptions(
         chunk_bytes=config.chunk_bytes,
         max_blob_bytes=config.max_blob_bytes,
@@ -308,4 +308,5 @@ def _tier_options(config: CacheConfig) -> RedisTierOptions:
         compression_min_ratio=config.compression_min_ratio,
         byte_shuffle=config.byte_shuffle,
         producer_id=config.producer_id or f"{socket.gethostname()}:{os.getpid()}",
+        model=identity.name,
     )

@@ -21,6 +21,7 @@ from ec_redis.redis_url import validate as validate_redis_url
 from ec_redis.units import parse_bytes
 
 COMPRESSIONS = ("none", "lz4", "auto")
+_SECRET_KEYS = ("sentinel_password", "tenant_salt")
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MiB = 1024**2
 _GiB = 1024**3
@@ -312,7 +313,13 @@ class CacheConfig:
         out = dataclasses.asdict(self)
         out["redis_url"] = mask_url(self.redis_url)
         out["tenant_salt"] = "***" if self.tenant_salt else ""
+        out["sentinel_password"] = "***" if self.sentinel_password else ""
         return out
+
+    def __repr__(self) -> str:
+        # the dataclass repr would show the password in redis_url and the secrets verbatim
+        shown = ", ".join(f"{key}={value!r}" for key, value in self.describe().items())
+        return f"CacheConfig({shown})"
 
 
 @dataclass(frozen=True)
@@ -394,7 +401,10 @@ def _parse_fields(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
             parsed[f.name] = f.metadata["parse"](raw[f.name])
         except (TypeError, ValueError) as exc:
             shown = _masked(raw[f.name]) if f.name == "redis_url" else raw[f.name]
-            raise ConfigError(_message(f.name, str(exc), shown, f.metadata["example"])) from None
+            problem = str(exc)
+            if f.name in _SECRET_KEYS:  # e.g. a numeric password: never echo it
+                shown, problem = "***", f"expected a string, got {type(raw[f.name]).__name__}"
+            raise ConfigError(_message(f.name, problem, shown, f.metadata["example"])) from None
     return parsed
 
 

@@ -21,7 +21,7 @@ from redis.connection import (
     SSLConnection,
     UnixDomainSocketConnection,
 )
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -111,7 +111,9 @@ def make_client(config: CacheConfig) -> Any:
         **_tls_kwargs(config, target.tls),
         **common,
     )
-    return redis.Redis(connection_pool=pool)
+    client = redis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # close() disconnects the pool (as from_pool())
+    return client
 
 
 def _common_kwargs(config: CacheConfig) -> dict[str, Any]:
@@ -154,7 +156,11 @@ def check_connection(client: Any) -> str | None:
             "e.g. redis://cache-user:secret@host:6379/0"
         ) from None
     except ResponseError as exc:
-        if "NOAUTH" in str(exc) or "NOPERM" in str(exc) or "WRONGPASS" in str(exc):
+        # redis-py strips the NOPERM code from the text into the class NoPermissionError
+        text = str(exc)
+        if isinstance(exc, NoPermissionError) or any(
+            code in text for code in ("NOAUTH", "NOPERM", "WRONGPASS")
+        ):
             raise RedisSetupError(
                 f"Redis refused this client ({exc}); give redis_url a user and password with "
                 "rights on the cache's keys, e.g. redis://cache-user:secret@host:6379/0"

@@ -24,6 +24,7 @@ STANDALONE_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SCHEMES = STANDALONE_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(\d{1,5}))?$")
 
 
@@ -94,6 +95,8 @@ def mask_url(url: str | None) -> str | None:
     """Hide the password of a Redis URL of any topology: ``redis://user:***@host:6379/0``."""
     if not url or "://" not in url:
         return url
+    # redis-py also takes the password from the query string (``?password=...``)
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
     scheme, rest = url.split("://", 1)
     netloc, sep, tail = rest.partition("/")
     if "@" not in netloc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 import torch
@@ -18,6 +19,7 @@ from ec_redis.codec import decode_blob, encode_blob
 from ec_redis.config import CacheConfig
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
+from ec_redis.redis_url import parse_target
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 
 Progress = Callable[[str], None]
@@ -39,7 +41,7 @@ def run(
 ) -> Report:
     report = Report(server=server, machine=_machine())
     items = QUICK_ITEMS if quick else ITEMS
-    raw = redis.Redis.from_url(url)
+    raw = raw_client(url)
     config = CacheConfig(redis_url=url, compression="none", chunk_bytes=chunk_bytes)
     tier = RedisTier(
         make_client(config),
@@ -78,13 +80,14 @@ def run(
 
 
 def _redis_rows(
-    item: Item, tensor: torch.Tensor, raw: redis.Redis, tier: RedisTier, runs: int
+    item: Item, tensor: torch.Tensor, raw: Any, tier: RedisTier, runs: int
 ) -> list[Row]:
     payload = tensor.view(-1).view(torch.uint8).numpy().tobytes()  # the same number of bytes
     head = tier.keys.head("item")
 
     def clear() -> None:
-        raw.unlink("bench:raw", *[k for k in raw.scan_iter(head + "*")])
+        for key in ["bench:raw", *raw.scan_iter(head + "*")]:
+            raw.unlink(key)  # one key per call: a cluster refuses cross-slot UNLINKs
 
     samples: dict[str, list[float]] = {"raw_set": [], "put": [], "raw_get": [], "get": []}
     ok = True
@@ -141,6 +144,17 @@ def _codec_rows(item: Item, tensor: torch.Tensor, runs: int) -> list[CodecRow]:
         rows.append(CodecRow(item.label, name, nbytes / len(blob), enc.median_s * 1e3,
                              dec.median_s * 1e3))  # fmt: skip
     return rows
+
+
+def raw_client(url: str) -> Any:
+    """The baseline: a default redis-py client (hiredis) for the same server or cluster."""
+    target = parse_target(url)
+    if target.kind == "cluster":
+        from redis.cluster import ClusterNode, RedisCluster
+
+        nodes = [ClusterNode(host, port) for host, port in target.nodes]  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=nodes, username=target.username, password=target.password)
+    return redis.Redis.from_url(url)
 
 
 def _time(fn: Callable[[], object]) -> float:

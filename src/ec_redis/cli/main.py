@@ -1,19 +1,30 @@
-"""``ec-redis``: command-line entry point (subcommands parse their own options)."""
+"""``ec-redis``: the operator's command line (parser and dispatch; commands live beside it).
+
+Exit codes: 0 ok; 1 a problem was found (doctor FAIL, corrupt entry); 2 bad usage or
+configuration; 3 Redis unreachable or refusing this client.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 
-from ec_redis.errors import ECRedisError
-from ec_redis.units import parse_bytes
+from ec_redis.cli import commands
+from ec_redis.errors import ConfigError, ECRedisError, RedisSetupError
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
 
 EPILOG = """examples:
-  ec-redis bench                         # embedded redis-server on a free port
-  ec-redis bench --quick --json          # two sizes, machine-readable
-  ec-redis bench --redis-url redis://cache-host:6379/0
+  ec-redis demo                                   # embedded Redis, encoder -> PD flow
+  ec-redis doctor --redis-url redis://cache:6379/0
+  ec-redis stats  --redis-url redis+cluster://h1:7000,h2:7001 --json
+  ec-redis ls     --redis-url redis://cache:6379/0 --namespace ecr --limit 20
+  ec-redis inspect 'ecr:v1:{3f2a....e1.0c1d...}' --redis-url redis://cache:6379/0 --verify
+  ec-redis purge  --redis-url redis://cache:6379/0 --namespace ecr --yes
+  ec-redis bench  --quick --compare --plot docs/throughput.png
+Any configuration key can be given as --set KEY=VALUE (e.g. --set tls_ca_file=/ca.crt).
+exit codes: 0 ok, 1 problem found, 2 bad usage/config, 3 Redis unreachable or refusing us
 """
 
 
@@ -24,89 +35,93 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser(
-        "bench",
-        help="measure put/get per tier against raw redis-py SET/GET of the same bytes",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, redis: str = "required") -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if redis == "required":
+            p.add_argument("--redis-url", required=True, help="the Redis to look at (any topology)")
+        elif redis == "embedded":
+            p.add_argument("--redis-url", help="Redis to use (default: an embedded server)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a configuration key (repeatable), e.g. tls_ca_file=/ca.crt",
+        )
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    command("demo", "encoder -> Redis -> prefill/decode through the connector", "embedded")
+    command("doctor", "check connectivity, TLS, auth, version, topology, memory policy")
+    stats = command("stats", "entries, bytes and compression per namespace/model")
+    stats.add_argument("--metrics-url", help="also show live vllm:ec_redis_* counters from here")
+    ls = command("ls", "list entries (headers only)")
+    inspect = command("inspect", "show one entry's header, size, TTL (and verify it)")
+    inspect.add_argument("key", help="a head key as printed by 'ec-redis ls'")
+    inspect.add_argument("--verify", action="store_true", help="read every part, check it")
+    purge = command("purge", "delete entries (UNLINK in batches), after a confirmation")
+    purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    for p in (stats, ls, purge):
+        p.add_argument("--namespace", help="only this namespace (default: all)")
+        p.add_argument("--fingerprint", help="only this model fingerprint (from 'ec-redis stats')")
+        p.add_argument("--max-keys", type=int, default=1_000_000, help="stop SCAN after this many")
+    ls.add_argument("--limit", type=int, default=100, help="list at most this many (default 100)")
+    bench = command(
+        "bench", "put/get per tier vs raw redis-py SET/GET of the same bytes", "embedded"
     )
-    bench.add_argument("--redis-url", help="Redis to measure (default: an embedded server)")
-    bench.add_argument("--json", action="store_true", help="print JSON instead of tables")
     bench.add_argument("--quick", action="store_true", help="two item sizes, fewer runs")
     bench.add_argument("--repeat", type=int, default=5, help="runs per measurement (default 5)")
     bench.add_argument("--chunk-bytes", default="4MiB", help="Redis tier chunk size")
     bench.add_argument("--no-codecs", action="store_true", help="skip the codec comparison")
-    hooks = sub.add_parser(
-        "bench-connector",
-        help="drive the vLLM connector hooks, side by side with vLLM's ECExampleConnector",
+    bench.add_argument(
+        "--topology",
+        choices=("standalone", "cluster", "both"),
+        default="standalone",
+        help="embedded topology (without --redis-url)",
     )
-    hooks.add_argument("--redis-url", help="Redis to use (default: an embedded server)")
+    bench.add_argument(
+        "--compare",
+        action="store_true",
+        help="also drive the connector hooks next to vLLM's ECExampleConnector",
+    )
+    bench.add_argument("--plot", metavar="PNG", help="write a throughput-vs-size plot")
+    hooks = command(
+        "bench-connector", "the connector hooks next to vLLM's ECExampleConnector", "embedded"
+    )
     hooks.add_argument("--runs", type=int, default=20, help="items per size (default 20)")
     hooks.add_argument("--quick", action="store_true", help="two item sizes")
-    hooks.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    handler = getattr(commands, args.command.replace("-", "_"))
     try:
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "bench-connector":
-            return _bench_connector(args)
+        code: int = handler(args)
+        return code
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except RedisSetupError as exc:
+        return _fail(str(exc), EXIT_REDIS)
+    except commands.Unreachable as exc:
+        return _fail(f"{exc}; check the URL, the network and that Redis is running", EXIT_REDIS)
     except ECRedisError as exc:
-        print(f"ec-redis: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), EXIT_USAGE)
     except KeyboardInterrupt:
         return 130
-    return 2  # pragma: no cover - argparse requires a command
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from ec_redis.bench.report import render
-    from ec_redis.bench.runner import run
-    from ec_redis.embedded import EmbeddedRedis
-
-    chunk_bytes = parse_bytes(args.chunk_bytes)
-    repeat = 3 if args.quick and args.repeat == 5 else args.repeat
-    if args.redis_url:
-        report = run(args.redis_url, f"{args.redis_url} (given)", quick=args.quick,
-                     repeat=repeat, chunk_bytes=chunk_bytes, codecs=not args.no_codecs)  # fmt: skip
-    else:
-        with EmbeddedRedis.start() as server:
-            print(f"ec-redis: using {server.kind}", file=sys.stderr)
-            report = run(server.url, server.kind, quick=args.quick, repeat=repeat,
-                         chunk_bytes=chunk_bytes, codecs=not args.no_codecs)  # fmt: skip
-    print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
-    return 0
-
-
-def _bench_connector(args: argparse.Namespace) -> int:
-    import contextlib
-    import dataclasses
-
-    from ec_redis.bench.workload import ITEMS, QUICK_ITEMS
-    from ec_redis.embedded import EmbeddedRedis
-
-    try:
-        from ec_redis.connector import bench
-    except ImportError as exc:
-        print(f"ec-redis: bench-connector needs vLLM installed ({exc})", file=sys.stderr)
-        return 2
-    items = QUICK_ITEMS if args.quick else ITEMS
-    with contextlib.ExitStack() as stack:
-        url = args.redis_url
-        if not url:
-            server = stack.enter_context(EmbeddedRedis.start())
-            print(f"ec-redis: using {server.kind}", file=sys.stderr)
-            url = server.url
-        rows = bench.run(url, items, args.runs, lambda m: print(m, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
-    else:
-        print(bench.render(rows))
-    return 0
+def _fail(message: str, code: int) -> int:
+    print(f"ec-redis: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def encode_parts(
     part_bytes: int = 0,
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
     created_s: float | None = None,
+    model: str = "",
 ) -> list[Buffer]:
     """Encode a host tensor into blob parts; part 0 is the head and carries the header.
 
@@ -105,7 +106,7 @@ def encode_parts(
             payload = [memoryview(packed)]
 
     payload_len = sum(len(p) for p in payload)
-    producer = _producer_bytes(producer_id, time.time() if created_s is None else created_s)
+    producer = _producer_bytes(producer_id, time.time() if created_s is None else created_s, model)
     total = HEADER_SIZE + len(producer) + payload_len
     if total > max_blob_bytes:
         raise TensorError(f"blob of {total} bytes exceeds max_blob_bytes={max_blob_bytes}")
@@ -330,6 +331,9 @@ def _check_tensor(tensor: torch.Tensor) -> tuple[DType, tuple[int, ...]]:
     return dtype, tuple(int(d) for d in tensor.shape)
 
 
-def _producer_bytes(producer_id: str, created_s: float) -> bytes:
-    info = json.dumps({"id": producer_id[:200], "ts": round(created_s, 3)}).encode()
+def _producer_bytes(producer_id: str, created_s: float, model: str = "") -> bytes:
+    fields: dict[str, object] = {"id": producer_id[:200], "ts": round(created_s, 3)}
+    if model:  # for operators' tools (ec-redis ls/inspect); keys already hash the identity
+        fields["model"] = model[:400]
+    info = json.dumps(fields).encode()
     return info + b" " * (-len(info) % 8)

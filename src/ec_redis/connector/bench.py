@@ -73,7 +73,8 @@ def _vllm_config(connector: str, role: str, extra: dict[str, Any], width: int) -
     return config
 
 
-def _connectors(name: str, extra: dict[str, Any], width: int) -> tuple[Any, Any, Any]:
+def build_connectors(name: str, extra: dict[str, Any], width: int) -> tuple[Any, Any, Any]:
+    """An encoder's worker half, and a PD instance's scheduler and worker halves."""
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
@@ -95,7 +96,7 @@ def run_hooks(
     name: str, extra: dict[str, Any], items: tuple[Item, ...], runs: int,
     progress: Callable[[str], None],
 ) -> list[HookRow]:  # fmt: skip
-    producer, scheduler, worker = _connectors(name, extra, items[0].width)
+    producer, scheduler, worker = build_connectors(name, extra, items[0].width)
     rows: list[HookRow] = []
     try:
         for item in items:
@@ -116,15 +117,16 @@ def _one_size(
 ) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {hook: [] for hook in HOOKS}
     for run in range(runs):
-        for hook, seconds in _one_item(producer, scheduler, worker, item, run, tag).items():
+        for hook, seconds in one_item(producer, scheduler, worker, item, run, tag).items():
             samples[hook].append(seconds)
     return samples
 
 
-def _one_item(
+def one_item(
     producer: Any, scheduler: Any, worker: Any, item: Item, run: int, tag: str
 ) -> dict[str, float]:
-    """One item through every hook, in vLLM's order; seconds per hook."""
+    """One item through every hook, in vLLM's order; seconds per hook. Raises if the loaded
+    tensor differs from the saved one."""
     out: dict[str, float] = {}
     tensor = activation_like(item.rows, item.width, seed=run)
     mm_hash = f"{tag}-{item.rows}-{run}-{time.time_ns()}"

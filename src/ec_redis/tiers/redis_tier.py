@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 import torch
+from redis.exceptions import NoPermissionError, OutOfMemoryError
 
 from ec_redis.breaker import CircuitBreaker
 from ec_redis.codec import decode_parts, encode_parts, read_header
@@ -43,6 +44,7 @@ class RedisTierOptions:
     compression_min_ratio: float = 1.1
     byte_shuffle: bool = False
     producer_id: str = ""
+    model: str = ""  # written into blob headers for operators' tools
 
 
 class RedisTier(Tier):
@@ -184,6 +186,7 @@ class RedisTier(Tier):
                 producer_id=self.options.producer_id,
                 part_bytes=self.options.chunk_bytes,
                 max_blob_bytes=self.options.max_blob_bytes,
+                model=self.options.model,
             )
         except ValueError as exc:
             self.counters.inc("write_rejected")
@@ -261,8 +264,12 @@ class RedisTier(Tier):
         an outage: only connection errors and timeouts count towards the circuit breaker."""
         self.counters.inc("errors")
         if isinstance(exc, redis.ResponseError):
+            # redis-py parses the error code into the class and strips it from the text
+            # (and pipelines prefix the text with the failed command): test the class first.
             text = str(exc)
-            kind = "oom" if text.startswith("OOM") else "noperm" if "NOPERM" in text else "reply"
+            oom = isinstance(exc, OutOfMemoryError) or text.startswith("OOM")
+            noperm = isinstance(exc, NoPermissionError) or "NOPERM" in text
+            kind = "oom" if oom else "noperm" if noperm else "reply"
             self.counters.inc(f"{kind}_errors")
             self.breaker.success()
         else:

@@ -1,0 +1,288 @@
+"""The ``ec-redis`` subcommands: each takes the parsed arguments and returns an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ec_redis.config import CacheConfig
+from ec_redis.errors import ECRedisError
+from ec_redis.units import format_bytes, parse_bytes
+
+
+class Unreachable(ECRedisError):
+    """Redis did not answer."""
+
+
+def _config(args: argparse.Namespace, url: str | None = None) -> CacheConfig:
+    raw: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ECRedisError(f"--set expects KEY=VALUE, got {item!r} (e.g. --set ttl_s=3600)")
+        raw[key.strip()] = value
+    if url or getattr(args, "redis_url", None):
+        raw["redis_url"] = url or args.redis_url
+    return CacheConfig.from_dict(raw)
+
+
+def _client(config: CacheConfig) -> Any:
+    from ec_redis.redis_conn import check_connection, make_client
+
+    client = make_client(config)
+    outage = check_connection(client)  # RedisSetupError for credentials/TLS
+    if outage is not None:
+        client.close()
+        raise Unreachable(f"cannot reach Redis at {config.describe()['redis_url']} ({outage})")
+    return client
+
+
+@contextlib.contextmanager
+def _redis(args: argparse.Namespace) -> Iterator[tuple[CacheConfig, Any]]:
+    config = _config(args)
+    client = _client(config)
+    try:
+        yield config, client
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def _embedded_url(args: argparse.Namespace) -> Iterator[str]:
+    """The given --redis-url, or an embedded server for the command's lifetime."""
+    if args.redis_url:
+        yield args.redis_url
+        return
+    from ec_redis.embedded import EmbeddedRedis
+
+    with EmbeddedRedis.start() as server:
+        _err(f"ec-redis: using {server.kind}")
+        yield server.url
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _print(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else text)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def demo(args: argparse.Namespace) -> int:
+    from ec_redis.cli import demo as flow
+
+    _config(args)  # validates --set
+    with _embedded_url(args) as url:
+        say = _err if args.json else print
+        report = flow.run(url, say)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def doctor(args: argparse.Namespace) -> int:
+    from ec_redis.cli import doctor as checks
+
+    findings = checks.run(_config(args))
+    lines = []
+    for f in findings:
+        fix = f"\n        fix: {f.fix}" if f.fix and f.level != checks.OK else ""
+        lines.append(f"{f.level:>4}  {f.check:<10} {f.detail}{fix}")
+    _print(args, [f.as_dict() for f in findings], "\n".join(lines))
+    return 1 if any(f.level == checks.FAIL for f in findings) else 0
+
+
+def stats(args: argparse.Namespace) -> int:
+    from ec_redis.cli import inventory
+
+    with _redis(args) as (_, client):
+        match = inventory.pattern(args.namespace, args.fingerprint)
+        keys = list(inventory.scan_heads(client, match, args.max_keys, _progress("scanned")))
+        groups = inventory.totals(inventory.read_entries(client, keys))
+    data: dict[str, Any] = {"groups": [g.as_dict() for g in groups]}
+    lines = [
+        "namespace  fingerprint                       entries     stored      raw  saved  model"
+    ]
+    for g in data["groups"]:
+        lines.append(
+            f"{g['namespace']:<10} {g['fingerprint']} {g['entries']:>7} "
+            f"{format_bytes(g['stored_bytes']):>10} {format_bytes(g['raw_bytes']):>10} "
+            f"{g['compression_savings']:>5.1%}  {g['model']}"
+        )
+    if not groups:
+        lines.append("(no ec_redis entries)")
+    if args.metrics_url:
+        data["live"] = _live_counters(args.metrics_url)
+        lines += ["", "live counters:"] + [f"  {k} {v}" for k, v in data["live"].items()]
+    _print(args, data, "\n".join(lines))
+    return 0
+
+
+def ls(args: argparse.Namespace) -> int:
+    from ec_redis.cli import inventory
+
+    with _redis(args) as (_, client):
+        match = inventory.pattern(args.namespace, args.fingerprint)
+        keys = []
+        for key in inventory.scan_heads(client, match, args.max_keys):
+            keys.append(key)
+            if len(keys) >= args.limit:
+                break
+        entries = [e.as_dict() for e in inventory.read_entries(client, keys)]
+    lines = [
+        f"{e['item'][:40]:<40} {e['dtype']!s:<5} {e['shape']!s:<14} "
+        f"{format_bytes(e['stored_bytes']):>10} {e['codec']!s:<5} ttl={e['ttl_s']} {e['key']}"
+        + (f"  PROBLEM: {e['problem']}" if e["problem"] else "")
+        for e in entries
+    ]
+    _print(args, entries, "\n".join(lines) or "(no ec_redis entries)")
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from ec_redis.cli import inventory
+
+    if inventory.parse_head_key(args.key) is None:
+        raise ECRedisError(
+            f"{args.key!r} is not an ec_redis head key; list them with 'ec-redis ls'"
+        )
+    with _redis(args) as (_, client):
+        if not client.exists(args.key):
+            raise ECRedisError(f"no such key: {args.key}")
+        entry = inventory.read_entries(client, [args.key])[0]
+        data = entry.as_dict()
+        data["checksum"] = (
+            inventory.verify(client, entry) if args.verify else "not verified (--verify)"
+        )
+    text = "\n".join(f"{k:>13}: {v}" for k, v in data.items())
+    _print(args, data, text)
+    return 1 if args.verify and data["checksum"] != "ok" else 0
+
+
+def purge(args: argparse.Namespace) -> int:
+    from ec_redis.cli import inventory
+
+    if not args.namespace:
+        raise ECRedisError("purge needs --namespace (and optionally --fingerprint)")
+    with _redis(args) as (_, client):
+        match = inventory.pattern(args.namespace, args.fingerprint)
+        heads = sum(1 for _ in inventory.scan_heads(client, match, args.max_keys))
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise ECRedisError(f"{heads} entries match {match!r}; re-run with --yes to delete")
+            answer = input(f"delete {heads} entries (and their chunks) matching {match!r}? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                _print(args, {"deleted_keys": 0}, "nothing deleted")
+                return 0
+        removed = inventory.purge(client, match, args.max_keys, _progress("deleted"))
+    _print(
+        args,
+        {"entries": heads, "deleted_keys": removed},
+        f"deleted {removed} keys ({heads} entries)",
+    )
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from ec_redis.bench.report import render
+    from ec_redis.bench.runner import run
+
+    _config(args)
+    chunk_bytes = parse_bytes(args.chunk_bytes)
+    repeat = 3 if args.quick and args.repeat == 5 else args.repeat
+    reports = []
+    for url, label in _bench_targets(args):
+        reports.append(
+            run(
+                url,
+                label,
+                quick=args.quick,
+                repeat=repeat,
+                chunk_bytes=chunk_bytes,
+                codecs=not args.no_codecs,
+            )
+        )
+    hooks = _bench_hooks(args, args.quick, 10 if args.quick else 20) if args.compare else None
+    if args.plot:
+        from ec_redis.bench.plot import plot
+
+        plot(reports, args.plot)
+        _err(f"ec-redis: wrote {args.plot}")
+    if args.json:
+        data: dict[str, Any] = {"reports": [r.as_dict() for r in reports]}
+        if hooks is not None:
+            data["connector"] = [dataclasses.asdict(r) for r in hooks]
+        print(json.dumps(data, indent=2))
+        return 0
+    print("\n\n".join(render(r) for r in reports))
+    if hooks is not None:
+        from ec_redis.connector.bench import render as render_hooks
+
+        print("\n" + render_hooks(hooks))
+    return 0
+
+
+def bench_connector(args: argparse.Namespace) -> int:
+    rows = _bench_hooks(args, args.quick, args.runs)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        from ec_redis.connector.bench import render
+
+        print(render(rows))
+    return 0
+
+
+def _bench_hooks(args: argparse.Namespace, quick: bool, runs: int) -> list[Any]:
+    from ec_redis.bench.workload import ITEMS, QUICK_ITEMS
+
+    try:
+        from ec_redis.connector import bench as hooks
+    except ImportError as exc:
+        raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
+    with _embedded_url(args) as url:
+        rows: list[Any] = hooks.run(url, QUICK_ITEMS if quick else ITEMS, runs, _err)
+        return rows
+
+
+def _bench_targets(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    if args.redis_url:
+        yield args.redis_url, f"{args.redis_url} (given)"
+        return
+    from ec_redis.embedded import EmbeddedCluster, EmbeddedRedis
+
+    if args.topology in ("standalone", "both"):
+        with EmbeddedRedis.start() as server:
+            _err(f"ec-redis: using {server.kind}")
+            yield server.url, server.kind
+    if args.topology in ("cluster", "both"):
+        with EmbeddedCluster.start() as cluster:
+            _err(f"ec-redis: using an embedded 3-master cluster ({cluster.url})")
+            yield cluster.url, f"embedded Redis Cluster, 3 masters + 3 replicas ({cluster.url})"
+
+
+def _progress(verb: str) -> Any:
+    return lambda n: _err(f"ec-redis: {verb} {n} keys ...")
+
+
+def _live_counters(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:ec_redis_") and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name.endswith(("_bucket", "_created")):
+                continue
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals

@@ -1,0 +1,101 @@
+"""``ec-redis demo``: an encoder instance saves encoder outputs, a prefill/decode instance
+loads them, through the real connector hooks (or the cache alone when vLLM is absent)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ec_redis.bench.workload import QUICK_ITEMS, Item, activation_like
+
+Say = Callable[[str], None]
+
+
+def run(url: str, say: Say) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the demo's lines, not vLLM's
+    try:
+        from ec_redis.connector.bench import build_connectors, one_item
+    except ImportError:
+        return _cache_only(url, say)
+    say(
+        "encoder (ec_producer) -> Redis -> prefill/decode (ec_consumer), through the vLLM "
+        "connector hooks in vLLM's call order"
+    )
+    extra = {"redis_url": url, "namespace": "demo", "recheck_s": 0.005}
+    producer, scheduler, worker = build_connectors("ECRedisConnector", extra, QUICK_ITEMS[0].width)
+    report: dict[str, Any] = {"mode": "connector", "items": []}
+    try:
+        for n, item in enumerate(QUICK_ITEMS):
+            hooks = one_item(producer, scheduler, worker, item, n, "demo")
+            report["items"].append({"item": item.label, "mib": item.nbytes / 2**20, **hooks})
+            say(
+                f"  {_label(item)}: encoder save_caches returned in {_ms(hooks['save_caches'])}; "
+                f"PD found it in Redis {_ms(hooks['visible_after_save'])} later and loaded it in "
+                f"{_ms(hooks['start_load_caches'])}; bit-exact"
+            )
+        report["pd_counters"] = scheduler.stats_snapshot()
+        counters = report["pd_counters"]
+        say(
+            f"  PD hits: redis {counters.get('hits_redis', 0)}, cpu {counters.get('hits_cpu', 0)}, "
+            f"gpu {counters.get('hits_gpu', 0)}; misses {counters.get('misses', 0)}"
+        )
+    finally:
+        for connector in (producer, scheduler, worker):
+            connector.shutdown()
+    return report
+
+
+def _cache_only(url: str, say: Say) -> dict[str, Any]:
+    from ec_redis.cache import TieredCache
+    from ec_redis.config import CacheConfig
+
+    say("vLLM is not installed: showing the cache alone (install vllm for the connector demo)")
+    report: dict[str, Any] = {"mode": "cache", "items": []}
+    encoder = TieredCache(CacheConfig(redis_url=url, namespace="demo", producer_id="encoder"))
+    pd = TieredCache(CacheConfig(redis_url=url, namespace="demo", producer_id="pd"))
+    try:
+        for n, item in enumerate(QUICK_ITEMS):
+            timings = _cache_item(encoder, pd, item, n)
+            report["items"].append({"item": item.label, **timings})
+            say(
+                f"  {_label(item)}: put returned in {_ms(timings['put_s'])}; first get from "
+                f"Redis in {_ms(timings['redis_get_s'])}; second get from the CPU tier in "
+                f"{_ms(timings['cpu_get_s'])}; bit-exact"
+            )
+        report["pd_stats"] = pd.stats()
+    finally:
+        encoder.close()
+        pd.close()
+    return report
+
+
+def _cache_item(encoder: Any, pd: Any, item: Item, n: int) -> dict[str, float]:
+    tensor = activation_like(item.rows, item.width, seed=n)
+    key = f"demo-{n}-{time.time_ns()}"
+    out = {"put_s": _timed(lambda: encoder.put(key, tensor))}
+    encoder.flush(30)
+    for name in ("redis_get_s", "cpu_get_s"):  # the first get reaches Redis, then the CPU tier
+        start = time.perf_counter()
+        got = pd.get(key)
+        out[name] = time.perf_counter() - start
+        if got is None or not torch.equal(got, tensor):
+            raise RuntimeError("demo read back a wrong tensor")
+    return out
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _label(item: Item) -> str:
+    return f"{item.label} ({item.rows}x{item.width} bf16, {item.nbytes / 2**20:.1f} MiB)"
