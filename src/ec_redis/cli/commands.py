@@ -115,7 +115,7 @@ def stats(args: argparse.Namespace) -> int:
         lines.append(
             f"{g['namespace']:<10} {g['fingerprint']} {g['entries']:>7} "
             f"{format_bytes(g['stored_bytes']):>10} {format_bytes(g['raw_bytes']):>10} "
-            f"{g['compression_savings']:>5.1%}  {g['model']}"
+            f"{max(g['compression_savings'], 0.0):>5.1%}  {g['model']}"
         )
     if not groups:
         lines.append("(no ec_redis entries)")

@@ -34,6 +34,7 @@ class Entry:
     fingerprint: str
     item: str
     stored_bytes: int = 0
+    head_bytes: int = 0
     ttl_s: float | None = None
     header: BlobHeader | None = None
     problem: str = ""
@@ -51,7 +52,7 @@ class Entry:
             "codec": h.codec_name if h else None,
             "raw_bytes": h.raw_len if h else None,
             "stored_bytes": self.stored_bytes,
-            "chunks": _chunks(h, self.stored_bytes) if h else None,
+            "chunks": _chunks(h, self.head_bytes) if h else None,
             "producer": h.producer.get("id", "") if h else "",
             "age_s": round(time.time() - _number(h.producer.get("ts")), 1) if h else None,
             "ttl_s": self.ttl_s,
@@ -129,7 +130,7 @@ def read_entries(client: Any, keys: list[str]) -> list[Entry]:
 def _entry(key: str, prefix: bytes, head_len: int, pttl: int) -> Entry:
     parsed = parse_head_key(key)
     assert parsed is not None
-    entry = Entry(key, *parsed, stored_bytes=head_len)
+    entry = Entry(key, *parsed, stored_bytes=head_len, head_bytes=head_len)
     entry.ttl_s = pttl / 1000 if pttl and pttl > 0 else None
     try:
         entry.header = read_header(prefix)
