@@ -1,0 +1,167 @@
+"""The ``ec-redis`` command line against real redis-server processes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from ec_redis import TieredCache
+from ec_redis.cli.main import EXIT_OK, EXIT_PROBLEM, EXIT_REDIS, EXIT_USAGE, main
+from ec_redis.embedded import EmbeddedRedis, free_port
+from tests.conftest import embedding
+
+pytestmark = pytest.mark.redis
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    try:
+        data = json.loads(out.out) if "--json" in argv else out.out
+    except json.JSONDecodeError:
+        data = out.out
+    return code, data, out.err
+
+
+@pytest.fixture
+def filled(redis_url: str) -> dict[str, torch.Tensor]:
+    items = {f"img:{i}": embedding(64 * (i + 1), 128, seed=i) for i in range(4)}
+    config = {"redis_url": redis_url, "model_name": "demo/model", "chunk_bytes": "64KiB"}
+    with TieredCache.from_config(config) as cache:
+        for key, tensor in items.items():
+            cache.put(key, tensor)
+        assert cache.flush(10)
+    return items
+
+
+def test_doctor_reports_warnings_but_passes_on_a_default_server(
+    capsys: pytest.CaptureFixture[str], redis_url: str
+) -> None:
+    code, findings, _ = cli(capsys, "doctor", "--redis-url", redis_url, "--json")
+    assert code == EXIT_OK
+    levels = {f["check"]: f["level"] for f in findings}
+    assert levels["connect"] == "ok" and levels["probe"] == "ok" and levels["version"] == "ok"
+    assert levels["maxmemory"] == "warn" and levels["eviction"] == "warn"  # defaults: unbounded
+    assert all(f["fix"] for f in findings if f["level"] != "ok")
+
+
+def test_doctor_is_clean_on_a_well_configured_server(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+    with EmbeddedRedis.start(extra_args=args) as server:
+        code, findings, _ = cli(capsys, "doctor", "--redis-url", server.url, "--json")
+    assert code == EXIT_OK
+    assert [f for f in findings if f["level"] != "ok"] == []
+
+
+def test_doctor_fails_with_a_fix_when_redis_is_unreachable_or_refuses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, findings, _ = cli(
+        capsys, "doctor", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--json"
+    )
+    assert code == EXIT_PROBLEM and findings[-1]["level"] == "FAIL" and findings[-1]["fix"]
+    with EmbeddedRedis.start(extra_args=("--requirepass", "right")) as server:
+        url = server.url.replace("redis://", "redis://:wrong@")
+        code, text, _ = cli(capsys, "doctor", "--redis-url", url)
+    assert code == EXIT_PROBLEM and "FAIL" in text and "credentials" in text
+    assert "wrong" not in text  # the password is never printed
+
+
+def test_stats_ls_and_inspect_describe_entries_without_loading_them(
+    capsys: pytest.CaptureFixture[str], redis_url: str, filled: dict[str, torch.Tensor]
+) -> None:
+    code, stats, _ = cli(capsys, "stats", "--redis-url", redis_url, "--json")
+    assert code == EXIT_OK
+    (group,) = stats["groups"]
+    assert group["entries"] == 4 and group["model"] == "demo/model"
+    tensor_bytes = sum(t.numel() * t.element_size() for t in filled.values())
+    # raw = safetensors documents (tensor bytes + a small JSON header each); stored adds ours
+    assert tensor_bytes < group["raw_bytes"] < tensor_bytes + 4 * 256
+    assert group["raw_bytes"] < group["stored_bytes"] < group["raw_bytes"] + 4 * 512
+
+    code, entries, _ = cli(capsys, "ls", "--redis-url", redis_url, "--json")
+    assert code == EXIT_OK
+    by_item = {e["item"]: e for e in entries}
+    assert set(by_item) == set(filled)  # ids unescaped back to what the client used
+    big = by_item["img:3"]
+    assert big["shape"] == [256, 128] and big["dtype"] == "BF16" and big["chunks"] >= 1
+
+    code, shown, _ = cli(
+        capsys, "inspect", big["key"], "--redis-url", redis_url, "--verify", "--json"
+    )
+    assert code == EXIT_OK and shown["checksum"] == "ok" and shown["model"] == "demo/model"
+
+
+def test_inspect_verify_reports_a_corrupt_entry(
+    capsys: pytest.CaptureFixture[str], redis_url: str, filled: dict[str, torch.Tensor]
+) -> None:
+    _, entries, _ = cli(capsys, "ls", "--redis-url", redis_url, "--json")
+    key = next(e["key"] for e in entries if e["item"] == "img:3")
+    client = redis.Redis.from_url(redis_url)
+    chunk = bytearray(client.get(f"{key}:c1") or b"")
+    chunk[10] ^= 0xFF
+    client.set(f"{key}:c1", bytes(chunk))
+    code, shown, _ = cli(capsys, "inspect", key, "--redis-url", redis_url, "--verify", "--json")
+    assert code == EXIT_PROBLEM and shown["checksum"].startswith("corrupt")
+
+
+def test_purge_asks_first_then_unlinks_heads_and_chunks(
+    capsys: pytest.CaptureFixture[str], redis_url: str, filled: dict[str, torch.Tensor]
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.set("other-app:key", b"keep me")
+    before = client.dbsize()
+    code, _, err = cli(capsys, "purge", "--redis-url", redis_url, "--namespace", "ecr")
+    assert code == EXIT_USAGE and "--yes" in err and client.dbsize() == before
+    code, result, _ = cli(
+        capsys, "purge", "--redis-url", redis_url, "--namespace", "ecr", "--yes", "--json"
+    )
+    assert code == EXIT_OK and result["entries"] == 4 and result["deleted_keys"] == before - 1
+    assert client.keys("*") == [b"other-app:key"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["stats", "--redis-url", "http://nope"], EXIT_USAGE),
+        (["ls", "--redis-url", "redis://127.0.0.1:1/0", "--set", "nonsense=1"], EXIT_USAGE),
+        (["ls", "--redis-url", "redis://127.0.0.1:1/0", "--set", "novalue"], EXIT_USAGE),
+        (["inspect", "not-a-key", "--redis-url", "redis://127.0.0.1:1/0"], EXIT_USAGE),
+    ],
+)
+def test_bad_usage_is_one_clear_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: int
+) -> None:
+    code, _, err = cli(capsys, *argv)
+    assert code == expected
+    assert err.startswith("ec-redis: ") and err.count("\n") == 1
+
+
+def test_an_unreachable_redis_is_exit_3(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "stats", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    assert code == EXIT_REDIS and "cannot reach Redis" in err
+
+
+def test_bench_quick_prints_ratios_against_raw_redis(
+    capsys: pytest.CaptureFixture[str], redis_url: str
+) -> None:
+    code, report, _ = cli(
+        capsys,
+        "bench",
+        "--redis-url",
+        redis_url,
+        "--quick",
+        "--no-codecs",
+        "--repeat",
+        "2",
+        "--json",
+    )
+    assert code == EXIT_OK
+    rows = report["reports"][0]["rows"]
+    ops = {r["op"] for r in rows}
+    assert {"redis put (encode+SET)", "redis get (GET+verify)"} <= ops
+    assert all(r["ratio"] > 0 for r in rows if r["baseline"].startswith("raw"))
