@@ -66,8 +66,15 @@ def make_client(config: CacheConfig) -> Any:
     target = parse_target(config.redis_url)
     common = _common_kwargs(config)
     if target.kind == "cluster":
+        # redis-py hands our connection class to a cluster's node clients only on its
+        # from_url path: otherwise it calls redis.Redis(connection_class=...), which raises
+        # TypeError, reported as "Redis Cluster cannot be connected". So the first node goes
+        # as a plain redis:// URL (no credentials: those and TLS go as keywords; rediss://
+        # would replace our class with SSLConnection), the others as startup nodes.
+        (host, port), *others = target.nodes
         return RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],  # type: ignore[no-untyped-call]
+            url=f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}",
+            startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
             username=target.username,
             password=target.password,
             connection_class=ZeroCopySSLConnection if target.tls else ZeroCopyConnection,
