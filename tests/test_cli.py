@@ -165,3 +165,16 @@ def test_bench_quick_prints_ratios_against_raw_redis(
     ops = {r["op"] for r in rows}
     assert {"redis put (encode+SET)", "redis get (GET+verify)"} <= ops
     assert all(r["ratio"] > 0 for r in rows if r["baseline"].startswith("raw"))
+
+
+def test_demo_without_vllm_shows_the_cache_alone(
+    capsys: pytest.CaptureFixture[str], redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ec_redis.connector.bench", None)  # as if vLLM were absent
+    code, report, err = cli(capsys, "demo", "--redis-url", redis_url, "--json")
+    assert code == EXIT_OK and report["mode"] == "cache"
+    assert "vLLM is not installed" in err
+    assert report["pd_stats"]["redis"]["hits"] == 2  # first reads came from Redis
+    assert report["pd_stats"]["cpu"]["hits"] == 2  # second reads from the CPU tier
