@@ -89,6 +89,7 @@ class TieredCache:
             self.redis.close()
             raise
         if outage is not None:
+            self.redis.counters.inc("errors")
             self.redis.breaker.failure()
             self._log.warning(
                 "start", "ec_redis: Redis %s unreachable at start (%s); serving local tiers "

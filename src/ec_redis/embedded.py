@@ -51,11 +51,7 @@ class EmbeddedRedis:
         binary = shutil.which("redis-server")
         if binary is None or prefer_fake:
             return cls._start_fake()
-        server = cls(port=free_port(), kind="redis-server", extra_args=extra_args)
-        server.workdir = tempfile.mkdtemp(prefix="ec_redis-")
-        server.kind = f"redis-server {_version(binary)} (embedded, port {server.port})"
-        server._spawn(binary)
-        return server
+        return cls.start_server(extra_args)
 
     @classmethod
     def start_server(
@@ -109,7 +105,7 @@ class EmbeddedRedis:
 
     @property
     def alive(self) -> bool:
-        """Whether the server process is running (fakeredis: whether it was not stopped)."""
+        """Whether the server process is running (a fakeredis server counts as running)."""
         if self.process is None:
             return self._fake is not None
         return self.process.poll() is None
@@ -117,16 +113,6 @@ class EmbeddedRedis:
     def call(self, *args: str | int, timeout_s: float = 2.0) -> Any:
         """Send one command on a fresh connection and return the decoded reply."""
         return _call(self.port, *args, timeout_s=timeout_s)
-
-    def log_tail(self, lines: int = 20) -> str:
-        """The end of the server's log (empty when it has none): for failure messages."""
-        if not self.workdir:
-            return ""
-        try:
-            with open(os.path.join(self.workdir, "redis.log"), errors="replace") as log:
-                return "".join(log.readlines()[-lines:]).strip()
-        except OSError:
-            return ""
 
     @classmethod
     def _start_fake(cls) -> EmbeddedRedis:
@@ -523,10 +509,13 @@ class EmbeddedSentinel:
 
 def _call(port: int, *args: str | int, timeout_s: float = 2.0) -> Any:
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     client = redis.Redis(
         host="127.0.0.1", port=port, socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s, decode_responses=True,
+        retry=Retry(NoBackoff(), 0),  # one try: callers poll, and a dead node must fail fast
     )  # fmt: skip
     try:
         return client.execute_command(*args)  # type: ignore[no-untyped-call]
@@ -539,11 +528,16 @@ def _check_owner(port: int, process: subprocess.Popen[bytes] | None) -> None:
     another program that bound the "free" port first)."""
     if process is None:
         return
-    info = _call(port, "INFO", "server")
-    if int(info.get("process_id", -1)) != process.pid:
-        raise RuntimeError(
-            f"port {port} is served by another process (pid {info.get('process_id')})"
-        )
+    import redis
+
+    try:
+        pid = int(_call(port, "INFO", "server").get("process_id", -1))
+    except (redis.AuthenticationError, redis.ResponseError):
+        return  # a Redis that wants credentials (--requirepass, ACLs): it cannot be asked
+    except Exception as exc:  # not Redis, or not answering: not ours either way
+        raise RuntimeError(f"port {port} is served by another process ({exc!r})") from None
+    if pid != process.pid:
+        raise RuntimeError(f"port {port} is served by another process (pid {pid})")
 
 
 def _retry_start(start: Callable[[], _T], attempts: int = 3) -> _T:
@@ -551,8 +545,9 @@ def _retry_start(start: Callable[[], _T], attempts: int = 3) -> _T:
     for attempt in range(attempts):
         try:
             return start()
-        except RuntimeError:
-            if attempt == attempts - 1:
+        except RuntimeError as exc:
+            lost_race = "already in use" in str(exc) or "another process" in str(exc)
+            if not lost_race or attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
 

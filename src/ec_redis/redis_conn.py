@@ -59,6 +59,18 @@ class ZeroCopyUnixConnection(UnixDomainSocketConnection):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
+class SentinelMasterClient(redis.Redis):
+    """The Sentinel-managed master's client; ``close()`` also closes the connections to the
+    Sentinels that its master lookups opened (redis-py leaves them to the garbage collector)."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            pool: Any = self.connection_pool  # a SentinelConnectionPool (master_for made it)
+            pool.sentinel_manager.close()
+
+
 def make_client(config: CacheConfig) -> Any:
     """A client for ``config.redis_url``; connecting is lazy (no I/O happens here)."""
     assert config.redis_url is not None
@@ -79,7 +91,9 @@ def make_client(config: CacheConfig) -> Any:
             password=target.password,
             connection_class=ZeroCopySSLConnection if target.tls else ZeroCopyConnection,
             max_connections=config.redis_max_connections,  # per node
-            require_full_coverage=False,  # serve the slots that are up during a failover
+            # Keep using the slots that are up; the servers need cluster-require-full-coverage
+            # no for that too (otherwise every master answers CLUSTERDOWN during a failover).
+            require_full_coverage=False,
             **_tls_kwargs(config, target.tls),
             **common,
         )
@@ -87,6 +101,9 @@ def make_client(config: CacheConfig) -> Any:
         sentinel_kwargs: dict[str, Any] = {
             "socket_timeout": config.redis_socket_timeout_s,
             "socket_connect_timeout": config.redis_connect_timeout_s,
+            # our retry policy, not redis-py's default of 10 retries with up to 1 s backoff:
+            # that spent ~5 s on each unreachable Sentinel in every master lookup
+            "retry": _common_kwargs(config)["retry"],
             **_tls_kwargs(config, target.tls),
         }
         if config.sentinel_password:
@@ -94,6 +111,8 @@ def make_client(config: CacheConfig) -> Any:
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
         return sentinel.master_for(  # type: ignore[no-untyped-call]
             target.service,
+            redis_class=SentinelMasterClient,
+            max_connections=config.redis_max_connections,  # bounded: extra calls fail fast
             username=target.username,
             password=target.password,
             db=target.db,
