@@ -256,3 +256,33 @@ def stop_servers(servers: list[ApiServer], grace_s: float = 10) -> None:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+class CommandServer(ApiServer):
+    """An HTTP server started from a complete command line (e.g. one taken from compose.yaml),
+    with ApiServer's health check and process-group handling (``wait_healthy``,
+    ``stop_servers``). ``port`` is the one the command listens on; ``env`` is added to
+    this process's environment."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.cmd = list(cmd)
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                cwd=REPO_ROOT,
+                env={**os.environ, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
