@@ -331,11 +331,11 @@ def acl_server() -> Iterator[EmbeddedRedis]:
 def _set_user(admin: redis.Redis, name: str, password: str, commands: tuple[str, ...]) -> None:
     rules = ["on", f">{password}", "resetkeys", f"~{NAMESPACE}:*", "nocommands"]
     try:
-        admin.execute_command("ACL", "SETUSER", name, "reset", *rules, *commands)
+        admin.execute_command("ACL", "SETUSER", name, "reset", *rules, *commands)  # type: ignore[no-untyped-call]
     except redis.ResponseError:
         # CLIENT SETINFO exists from Redis 7.2 (redis-py ignores its refusal on older ones)
         kept = tuple(c for c in commands if c != "+client|setinfo")
-        admin.execute_command("ACL", "SETUSER", name, "reset", *rules, *kept)
+        admin.execute_command("ACL", "SETUSER", name, "reset", *rules, *kept)  # type: ignore[no-untyped-call]
 
 
 def user_url(server: EmbeddedRedis, user: str, password: str) -> str:
