@@ -28,7 +28,7 @@ from ec_redis.codec.format import (
 from ec_redis.config import CacheConfig
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
-from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
+from ec_redis.tiers.redis_tier import ALLOCATOR_SLACK, RedisTier, RedisTierOptions
 
 pytestmark = pytest.mark.redis
 
@@ -96,9 +96,9 @@ class _RecordingPipeline:
         self._log.append(("set", name))
         return self._pipe.set(name, value, **kwargs)
 
-    def execute(self) -> Any:
+    def execute(self, **kwargs: Any) -> Any:
         self._log.append(("execute", ""))
-        return self._pipe.execute()
+        return self._pipe.execute(**kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)
@@ -115,6 +115,10 @@ class _RecordingClient:
         self.log.append(("pipeline", str(transaction)))
         return _RecordingPipeline(self._client.pipeline(transaction=transaction), self.log)
 
+    def set(self, key: str, value: Any, **kwargs: Any) -> Any:
+        self.log.append(("set", key))
+        return self._client.set(key, value, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
@@ -130,10 +134,12 @@ def test_large_entry_is_chunked_under_one_hash_tag_and_head_written_last(
 
     # head + five chunks, named by KeyBuilder.chunk, and nothing else
     assert all_keys(raw) == entry_keys(head, 5)
+    # parts stay ALLOCATOR_SLACK under chunk_bytes (Redis's allocator size classes)
+    part = CHUNK - ALLOCATOR_SLACK
     sizes = [raw.strlen(KeyBuilder.chunk(head, i)) for i in range(1, 6)]
-    assert sizes == [CHUNK] * 4 + [307200 - 4 * CHUNK]
+    assert sizes == [part] * 5 and 5 * part == 307200
     header = read_header(raw.get(head))
-    assert header.part_bytes == CHUNK
+    assert header.part_bytes == part
     assert raw.strlen(head) + sum(sizes) == header.total_len
 
     # one Cluster hash tag (and so one slot) for the whole entry
@@ -141,10 +147,10 @@ def test_large_entry_is_chunked_under_one_hash_tag_and_head_written_last(
     assert tags == {f"{KEYS.fingerprint}.item%2F1%20%C3%BC"}
     assert len({key_slot(k.encode()) for k in entry_keys(head, 5)}) == 1
 
-    # one non-transactional pipeline: chunks in order, the head last, then execute
+    # one non-transactional pipeline of the chunks in order; the head only after it succeeded
     expected = [("pipeline", "False")]
     expected += [("set", KeyBuilder.chunk(head, i)) for i in range(1, 6)]
-    expected += [("set", head), ("execute", "")]
+    expected += [("execute", ""), ("set", head)]
     assert client.log == expected
     assert_bit_exact(tier.get("item/1 ü"), tensor)
     tier.close()
@@ -507,7 +513,8 @@ def test_lz4_entries_round_trip_chunked(
         assert header.codec == CODEC_LZ4
         assert header.shuffled is shuffle
         assert_bit_exact(tier.get(key), tensor)
-    assert read_header(raw.get(KEYS.head("noisy"))).part_bytes == CHUNK  # chunked lz4 payload
+    header = read_header(raw.get(KEYS.head("noisy")))
+    assert header.part_bytes == CHUNK - ALLOCATOR_SLACK  # chunked lz4 payload
     stored_smooth = sum(raw.strlen(k) for k in all_keys(raw) if ".smooth}" in k)
     assert stored_smooth < smooth.numel() * 4 // 5
 

@@ -193,6 +193,11 @@ def check_connection(client: Any) -> str | None:
             ) from None
         raise
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        if "CERTIFICATE_REQUIRED" in _chain_text(exc):
+            raise RedisSetupError(
+                f"the Redis server requires a client certificate ({exc}); set tls_cert_file "
+                "and tls_key_file to a certificate its CA trusts"
+            ) from None
         if _tls_trust_problem(exc):
             raise RedisSetupError(
                 f"TLS handshake with Redis failed ({exc}); set tls_ca_file to the CA that "
@@ -201,6 +206,15 @@ def check_connection(client: Any) -> str | None:
             ) from None
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _chain_text(exc: BaseException) -> str:
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None:
+        parts.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    return " | ".join(parts)
 
 
 def _tls_trust_problem(exc: BaseException) -> bool:

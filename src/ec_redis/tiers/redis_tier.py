@@ -28,7 +28,10 @@ from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 from ec_redis.tiers.base import Tier, tensor_nbytes
 
-MIN_PART_BYTES = 64 * 1024  # a forged header cannot make a reader fetch millions of keys
+# Chunks stay this much under chunk_bytes so a chunk plus Redis's string header fits in the
+# allocator's size class (an exact 4 MiB value costs jemalloc a 5 MiB allocation).
+ALLOCATOR_SLACK = 4096
+MIN_PART_BYTES = 60 * 1024  # a forged header cannot make a reader fetch millions of keys
 REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 
 
@@ -184,7 +187,7 @@ class RedisTier(Tier):
                 min_ratio=self.options.compression_min_ratio,
                 byte_shuffle=self.options.byte_shuffle,
                 producer_id=self.options.producer_id,
-                part_bytes=self.options.chunk_bytes,
+                part_bytes=part_size(self.options.chunk_bytes),
                 max_blob_bytes=self.options.max_blob_bytes,
                 model=self.options.model,
             )
@@ -197,12 +200,21 @@ class RedisTier(Tier):
             self.counters.inc("write_skipped_breaker_open")
             return False
         started = time.perf_counter()
+        chunk_keys = [self.keys.chunk(head_key, i) for i in range(1, len(parts))]
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for i, part in enumerate(parts[1:], start=1):
-                pipe.set(self.keys.chunk(head_key, i), part, px=self._ttl_ms)
-            pipe.set(head_key, parts[0], px=self._ttl_ms)  # the head last: entry now visible
-            pipe.execute()
+            if chunk_keys:
+                pipe = self.client.pipeline(transaction=False)
+                for chunk_key, part in zip(chunk_keys, parts[1:], strict=True):
+                    pipe.set(chunk_key, part, px=self._ttl_ms)
+                refused = [
+                    r for r in pipe.execute(raise_on_error=False) if isinstance(r, Exception)
+                ]
+                if refused:  # e.g. OOM for one chunk: store no head, drop what did land
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        self.client.unlink(*chunk_keys)
+                    raise refused[0]
+            # The head only after every chunk is stored: the entry becomes visible whole.
+            self.client.set(head_key, parts[0], px=self._ttl_ms)
         except REDIS_ERRORS as exc:
             self._failed("write", exc)
             self.counters.inc("write_errors")
@@ -287,6 +299,11 @@ class RedisTier(Tier):
     def close(self) -> None:
         with contextlib.suppress(*REDIS_ERRORS):
             self.client.close()
+
+
+def part_size(chunk_bytes: int) -> int:
+    """The size of the data parts for a ``chunk_bytes`` setting (see ``ALLOCATOR_SLACK``)."""
+    return chunk_bytes - ALLOCATOR_SLACK if chunk_bytes > 2 * ALLOCATOR_SLACK else chunk_bytes
 
 
 def _chunk_count(header: BlobHeader, head_len: int) -> int:
