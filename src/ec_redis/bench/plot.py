@@ -30,8 +30,11 @@ def plot(reports: list[Report], path: str) -> None:
             sizes = [r.mib for r in rows]
             ax.plot(sizes, ours, marker="o", label=f"{label} ({where})")
             baseline = rows[0].baseline if rows else ""
-            ax.plot(sizes, raw, marker="x", linestyle="--", label=f"raw {baseline} ({where})")
+            ax.plot(sizes, raw, marker="x", linestyle="--", label=f"redis-py {baseline} ({where})")
     ax.set_xscale("log")
+    sizes_all = sorted({r.mib for report in reports for r in report.rows})
+    ax.set_xticks(sizes_all, [f"{size:.1f}" for size in sizes_all])
+    ax.minorticks_off()
     ax.set_xlabel("item size (MiB, bf16 embeddings)")
     ax.set_ylabel("throughput (GB/s)")
     ax.set_title("ec_redis Redis tier vs raw redis-py, same server, same bytes")
