@@ -178,3 +178,17 @@ def test_demo_without_vllm_shows_the_cache_alone(
     assert "vLLM is not installed" in err
     assert report["pd_stats"]["redis"]["hits"] == 2  # first reads came from Redis
     assert report["pd_stats"]["cpu"]["hits"] == 2  # second reads from the CPU tier
+
+
+def test_the_fakeredis_fallback_serves_megabyte_values() -> None:
+    """Without a redis-server binary the embedded server is fakeredis's TCP server; it must
+    carry multi-megabyte replies (its non-blocking socket used to fail on them)."""
+    tensor = embedding(4096, 512, seed=11)  # 4 MiB: chunked, replies larger than socket buffers
+    with EmbeddedRedis.start(prefer_fake=True) as server:
+        assert "fakeredis" in server.kind
+        with TieredCache.from_config({"redis_url": server.url}) as writer:
+            writer.put("big", tensor)
+            assert writer.flush(30)
+        with TieredCache.from_config({"redis_url": server.url}) as reader:
+            got = reader.get("big")
+    assert got is not None and torch.equal(got, tensor)

@@ -9,6 +9,7 @@ for tests that kill nodes and watch failovers. Every process listens on 127.0.0.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -120,6 +121,7 @@ class EmbeddedRedis:
 
         port = free_port()
         fake = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+        fake.RequestHandlerClass = _fake_handler()
         thread = threading.Thread(target=fake.serve_forever, daemon=True)
         thread.start()
         _wait_for_port(port, None, None)
@@ -581,6 +583,38 @@ def _stop_all(servers: Iterable[EmbeddedRedis]) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+class _BlockingSend:
+    """Replies written to a non-blocking socket, waiting for room instead of failing."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self._sock.send(view) :]
+            except BlockingIOError:
+                select.select([], [self._sock], [], 1.0)
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+
+def _fake_handler() -> Any:
+    """fakeredis's TCP handler puts its socket in non-blocking mode and then fails to send
+    replies larger than the socket buffer (megabyte values); send those patiently."""
+    from fakeredis._clients._tcp_server import TCPFakeRequestHandler
+
+    class Handler(TCPFakeRequestHandler):
+        def setup(self) -> None:
+            super().setup()
+            self.writer.writer = _BlockingSend(self.connection)  # type: ignore[assignment]
+
+    return Handler
 
 
 def _version(binary: str) -> str:
