@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import fakeredis
 import pytest
@@ -68,3 +69,27 @@ def embedding(rows: int = 64, width: int = 128, seed: int = 0) -> torch.Tensor:
     """A bf16 encoder-output-shaped tensor with deterministic contents."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """The exact bytes of a tensor (NaN payloads and -0.0 compare exactly)."""
+    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def bit_exact(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    """Same dtype, same shape, same bytes."""
+    return (
+        got is not None
+        and got.dtype == want.dtype
+        and tuple(got.shape) == tuple(want.shape)
+        and bits(got) == bits(want)
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+    """Poll ``predicate`` until it holds; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
+        time.sleep(0.005)

@@ -38,7 +38,7 @@ from ec_redis.codec.format import (
 )
 from ec_redis.codec.safetensors_doc import MAX_HEADER_BYTES, build_header
 from ec_redis.errors import BlobError, ECRedisError, TensorError
-from tests.conftest import embedding
+from tests.conftest import bits, embedding
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ec_redis"
 
@@ -49,11 +49,6 @@ SHAPES = [(7,), (3, 5), (2, 3, 4), (2, 1, 3, 2), (0, 16), (4, 0, 2)]
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def bits(tensor: torch.Tensor) -> bytes:
-    """The exact bytes of a tensor (so NaN payloads and -0.0 compare exactly)."""
-    return bytes(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def assert_identical(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ import torch
 from ec_redis import TieredCache
 from ec_redis.breaker import CLOSED, OPEN
 from ec_redis.embedded import EmbeddedRedis
-from tests.conftest import embedding
+from tests.conftest import bit_exact, embedding, wait_for
 
 pytestmark = pytest.mark.redis
 
@@ -40,27 +40,6 @@ def config(**overrides: Any) -> dict[str, Any]:
     }
     base.update(overrides)
     return base
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def bit_exact(got: torch.Tensor | None, want: torch.Tensor) -> bool:
-    return (
-        got is not None
-        and got.dtype == want.dtype
-        and tuple(got.shape) == tuple(want.shape)
-        and bits(got) == bits(want)
-    )
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
-        time.sleep(0.005)
 
 
 def redis_stats(cache: TieredCache) -> dict[str, float]:

@@ -29,6 +29,7 @@ from ec_redis.config import CacheConfig
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
 from ec_redis.tiers.redis_tier import ALLOCATOR_SLACK, RedisTier, RedisTierOptions
+from tests.conftest import bits
 
 pytestmark = pytest.mark.redis
 
@@ -39,10 +40,6 @@ KEYS = KeyBuilder("t", ModelIdentity("m"))
 def bf16(rows: int, seed: int, width: int = 512) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=gen).to(torch.bfloat16)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def assert_bit_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:

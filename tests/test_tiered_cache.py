@@ -20,7 +20,7 @@ import torch
 from ec_redis import TensorError, TieredCache
 from ec_redis.breaker import CLOSED, CircuitBreaker
 from ec_redis.embedded import EmbeddedRedis, free_port
-from tests.conftest import embedding
+from tests.conftest import bit_exact, embedding, wait_for
 
 KiB = 1024
 
@@ -35,27 +35,6 @@ def kib_tensor(kib: int, seed: int) -> torch.Tensor:
     """``kib`` KiB of float32 with deterministic contents."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(kib * 256, generator=gen)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def bit_exact(got: torch.Tensor | None, want: torch.Tensor) -> bool:
-    return (
-        got is not None
-        and got.dtype == want.dtype
-        and tuple(got.shape) == tuple(want.shape)
-        and bits(got) == bits(want)
-    )
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 def stat(stats: dict[str, Any], *path: str) -> float:

@@ -24,6 +24,7 @@ from ec_redis.tiers.cpu import HostTier
 from ec_redis.tiers.gpu import DeviceTier
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from ec_redis.tiers.transfer import Transfer
+from tests.conftest import bits
 
 CHUNK = 64 * 1024
 LOCAL_CAPACITY = 8 * 1024 * 1024
@@ -56,10 +57,6 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (numel * itemsize,), generator=gen, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def assert_bit_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:

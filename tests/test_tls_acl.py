@@ -27,7 +27,7 @@ import torch
 from ec_redis import TieredCache
 from ec_redis.embedded import EmbeddedRedis, free_port
 from ec_redis.errors import ConfigError, RedisSetupError
-from tests.conftest import embedding
+from tests.conftest import bits, embedding
 
 pytestmark = pytest.mark.redis
 
@@ -47,10 +47,6 @@ def config(**overrides: Any) -> dict[str, Any]:
     }
     base.update(overrides)
     return base
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def assert_bit_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:

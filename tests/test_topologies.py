@@ -20,6 +20,7 @@ from redis.crc import key_slot
 
 from ec_redis import TieredCache
 from ec_redis.embedded import EmbeddedCluster, EmbeddedSentinel, free_port
+from tests.conftest import bits
 
 pytestmark = pytest.mark.redis
 
@@ -29,10 +30,6 @@ CHUNK = 64 * 1024
 def bf16(rows: int, seed: int, width: int = 512) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=gen).to(torch.bfloat16)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def exact(got: torch.Tensor | None, want: torch.Tensor) -> bool:
