@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import fakeredis
 import pytest
 import redis
 import torch
@@ -542,3 +543,37 @@ def test_cache_default_auto_compression_keeps_random_bf16_raw(
     header = read_header(raw.get(head))
     assert header.codec_name == "none"
     assert header.dtype.torch_dtype == torch.bfloat16 and header.shape == (64, 512)
+
+
+@pytest.mark.parametrize("ttl_s", [0.0, 30.0])
+def test_large_raw_entries_are_read_straight_into_the_tensor(
+    redis_url: str, raw: redis.Redis, ttl_s: float
+) -> None:
+    """The one-copy path (chunks recv_into'd into the tensor) is the one real clients take,
+    also with a sliding TTL (GETEX), and it renews every chunk's TTL."""
+    tier = RedisTier(
+        make_client(CacheConfig(redis_url=redis_url)),
+        KEYS,
+        RedisTierOptions(chunk_bytes=CHUNK, ttl_s=ttl_s),
+    )
+    tensor = bf16(300, seed=21)
+    assert tier.put("direct", tensor)
+    head = KEYS.head("direct")
+    if ttl_s:
+        for i in range(1, 6):
+            raw.pexpire(KeyBuilder.chunk(head, i), 5_000)
+    assert_bit_exact(tier.get("direct"), tensor)
+    assert tier.stats()["direct_reads"] == 1
+    if ttl_s:
+        assert all(raw.pttl(KeyBuilder.chunk(head, i)) > 20_000 for i in range(1, 6))
+    tier.close()
+
+
+def test_clients_without_plain_sockets_take_the_pipelined_path(
+    make_tier: Callable[..., RedisTier],
+) -> None:
+    fake = RedisTier(fakeredis.FakeRedis(), KEYS, RedisTierOptions(chunk_bytes=CHUNK))
+    tensor = bf16(300, seed=22)
+    assert fake.put("p", tensor)
+    assert_bit_exact(fake.get("p"), tensor)
+    assert "direct_reads" not in fake.stats()

@@ -20,12 +20,19 @@ import torch
 from redis.exceptions import NoPermissionError, OutOfMemoryError
 
 from ec_redis.breaker import CircuitBreaker
-from ec_redis.codec import decode_parts, encode_parts, read_header
+from ec_redis.codec import (
+    decode_parts,
+    direct_layout,
+    encode_parts,
+    finish_direct,
+    read_header,
+)
 from ec_redis.codec.format import HEADER_SIZE, MAX_PRODUCER_BYTES, BlobHeader
 from ec_redis.errors import BlobError, BlobTooLargeError
 from ec_redis.keys import KeyBuilder
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
+from ec_redis.tiers import bulk_read
 from ec_redis.tiers.base import Tier, tensor_nbytes
 
 # Chunks stay this much under chunk_bytes so a chunk plus Redis's string header fits in the
@@ -67,6 +74,7 @@ class RedisTier(Tier):
         self.counters = Counters()
         self._log = RateLimitedLog()
         self._ttl_ms = int(options.ttl_s * 1000) if options.ttl_s > 0 else None
+        self._direct = bulk_read.supported(client)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -85,6 +93,7 @@ class RedisTier(Tier):
             pending: list[tuple[str, str, bytes, BlobHeader, int]] = []
             for item, head in zip(items, heads, strict=True):
                 self._classify(item, head, out, pending)
+            pending = [p for p in pending if not self._read_direct(p, out)]
             if pending:
                 chunk_keys = [
                     self.keys.chunk(head_key, i) for _, head_key, _, _, n in pending
@@ -132,6 +141,39 @@ class RedisTier(Tier):
             self._reject(item, head_key, None, len(head), exc)
             return
         pending.append((item, head_key, head, header, n))
+
+    def _read_direct(
+        self, entry: tuple[str, str, bytes, BlobHeader, int], out: dict[str, torch.Tensor | None]
+    ) -> bool:
+        """Read a raw chunked entry's chunks straight into its tensor (one copy instead of
+        two). False when this entry or client cannot take that path (decode_parts then does)."""
+        item, head_key, head, header, n = entry
+        layout = direct_layout(header, len(head))
+        if not self._direct or layout is None or len(layout) != n:
+            return False
+        data = torch.empty(header.tensor_nbytes, dtype=torch.uint8)
+        view = data.numpy().data
+        targets, start = [], 0
+        for length in layout:
+            targets.append(view[start : start + length])
+            start += length
+        keys = [self.keys.chunk(head_key, i) for i in range(1, n + 1)]
+        renew = self._ttl_ms if self.options.ttl_sliding else None
+        sizes = bulk_read.read_into(self.client, keys, targets, renew)
+        self.counters.inc("direct_reads")
+        if any(size is None for size in sizes):
+            self.counters.inc("partial_entries")  # evicted (or rewritten) chunks: a miss
+            self._unlink(head_key, header, len(head))
+            out[item] = None
+            return True
+        try:
+            if sizes != layout:
+                raise BlobError("a chunk's length disagrees with the blob header")
+            out[item] = finish_direct(header, head, data)
+        except BlobError as exc:
+            self._reject(item, head_key, header, len(head), exc)
+            out[item] = None
+        return True
 
     def _assemble(
         self, item: str, head_key: str, parts: Sequence[bytes | None], header: BlobHeader

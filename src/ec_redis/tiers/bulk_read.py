@@ -1,0 +1,122 @@
+"""Pipelined GETs whose replies land straight in caller memory (one copy: kernel -> tensor).
+
+redis-py's parser materialises every reply as a ``bytes`` object, which the cache would then
+copy again into the tensor. For the chunks of a large entry this reader sends the GETs on a
+pooled connection and ``recv_into``s each reply into its slice of the destination. Only for a
+plain ``redis.Redis`` client (one server, TCP/TLS/Unix); any surprise disconnects the
+connection, so the pool never reuses one in an unknown state.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+_RECV = 64 * 1024
+
+
+def supported(client: Any) -> bool:
+    """A single-server client built by ``redis_conn.make_client`` (its pool hands out our
+    socket connections); not clusters, Sentinel-managed pools or test doubles."""
+    from ec_redis.redis_conn import (
+        ZeroCopyConnection,
+        ZeroCopySSLConnection,
+        ZeroCopyUnixConnection,
+    )
+
+    pool = getattr(client, "connection_pool", None)
+    kind = getattr(pool, "connection_class", None)
+    ours = (ZeroCopyConnection, ZeroCopySSLConnection, ZeroCopyUnixConnection)
+    return isinstance(client, redis.Redis) and isinstance(kind, type) and issubclass(kind, ours)
+
+
+def read_into(
+    client: Any, keys: Sequence[str], targets: Sequence[memoryview], renew_px: int | None = None
+) -> list[int | None]:
+    """GET (or GETEX ... PX ``renew_px``) every key into its target. Per key: ``None`` when
+    the key is missing, else the value's length (read into the target only when it is
+    exactly the target's length; otherwise skipped). Redis errors raise."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    clean = False
+    try:
+        commands = [
+            ("GET", key) if renew_px is None else ("GETEX", key, "PX", renew_px) for key in keys
+        ]
+        conn.send_packed_command(conn.pack_commands(commands))
+        reader = _Reader(conn._sock)
+        found = [reader.bulk_into(target) for target in targets]
+        clean = True
+        return found
+    finally:
+        if not clean:
+            conn.disconnect()
+        pool.release(conn)
+
+
+class _Reader:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def bulk_into(self, target: memoryview) -> int | None:
+        line = self._line()
+        if line[:1] == b"-":
+            raise ResponseError(line[1:].decode(errors="replace"))
+        if line == b"_":  # RESP3's null (RESP2 says "$-1")
+            return None
+        if line[:1] != b"$":
+            raise RedisConnectionError(f"unexpected reply {line[:32]!r} to GET")
+        size = int(line[1:])
+        if size < 0:
+            return None
+        if size != len(target):
+            self._skip(size + 2)
+            return size
+        self._fill(target)
+        if self._take(2) != b"\r\n":
+            raise RedisConnectionError("malformed bulk reply")
+        return size
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            self._more()
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        return line
+
+    def _fill(self, target: memoryview) -> None:
+        have = min(len(self._buf), len(target))
+        target[:have] = self._buf[:have]
+        del self._buf[:have]
+        while have < len(target):
+            got = self._sock.recv_into(target[have:])
+            if got == 0:
+                raise RedisConnectionError("Redis closed the connection mid-reply")
+            have += got
+
+    def _take(self, count: int) -> bytes:
+        while len(self._buf) < count:
+            self._more()
+        out = bytes(self._buf[:count])
+        del self._buf[:count]
+        return out
+
+    def _skip(self, count: int) -> None:
+        while count > 0:
+            if not self._buf:
+                self._more()
+            step = min(count, len(self._buf))
+            del self._buf[:step]
+            count -= step
+
+    def _more(self) -> None:
+        chunk = self._sock.recv(_RECV)
+        if not chunk:
+            raise RedisConnectionError("Redis closed the connection mid-reply")
+        self._buf += chunk
