@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import fakeredis
 import pytest
@@ -93,3 +95,14 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
         time.sleep(0.005)
+
+
+@contextmanager
+def paused(server: EmbeddedRedis) -> Iterator[None]:
+    """SIGSTOP the server for the block; SIGCONT always follows."""
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)

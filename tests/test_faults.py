@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 from ec_redis import TieredCache
 from ec_redis.breaker import CLOSED, OPEN
 from ec_redis.embedded import EmbeddedRedis
-from tests.conftest import bit_exact, embedding, wait_for
+from tests.conftest import bit_exact, embedding, paused, wait_for
 
 pytestmark = pytest.mark.redis
 
@@ -48,17 +47,6 @@ def redis_stats(cache: TieredCache) -> dict[str, float]:
 
 def writer_stats(cache: TieredCache) -> dict[str, float]:
     return dict(cache.stats()["writer"])
-
-
-@contextmanager
-def paused(server: EmbeddedRedis) -> Iterator[None]:
-    """SIGSTOP the server for the block; SIGCONT always follows."""
-    assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
 
 
 @pytest.fixture

@@ -3,13 +3,10 @@ a paused / dead / absent Redis, concurrency and lifecycle."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import fakeredis
@@ -20,7 +17,7 @@ import torch
 from ec_redis import TensorError, TieredCache
 from ec_redis.breaker import CLOSED, CircuitBreaker
 from ec_redis.embedded import EmbeddedRedis, free_port
-from tests.conftest import bit_exact, embedding, wait_for
+from tests.conftest import bit_exact, embedding, paused, wait_for
 
 KiB = 1024
 
@@ -42,17 +39,6 @@ def stat(stats: dict[str, Any], *path: str) -> float:
     for part in path[:-1]:
         node = node[part]
     return float(node.get(path[-1], 0))
-
-
-@contextmanager
-def paused(server: EmbeddedRedis) -> Iterator[None]:
-    """SIGSTOP the server for the block; SIGCONT always follows."""
-    assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
 
 
 class BlockingSink:
