@@ -208,18 +208,22 @@ def check_connection(client: Any) -> str | None:
     return None
 
 
-def _chain_text(exc: BaseException) -> str:
-    parts: list[str] = []
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception and everything it was raised from or during."""
+    out: list[BaseException] = []
     seen: BaseException | None = exc
     while seen is not None:
-        parts.append(str(seen))
+        out.append(seen)
         seen = seen.__cause__ or seen.__context__
-    return " | ".join(parts)
+    return out
+
+
+def _chain_text(exc: BaseException) -> str:
+    return " | ".join(str(e) for e in _chain(exc))
 
 
 def _tls_trust_problem(exc: BaseException) -> bool:
-    seen: BaseException | None = exc
-    while seen is not None:
+    for seen in _chain(exc):
         if isinstance(seen, ssl.SSLError):
             return True
         text = str(seen)
@@ -227,7 +231,6 @@ def _tls_trust_problem(exc: BaseException) -> bool:
             return True
         if "SSL" in text and ("alert" in text or "handshake" in text):
             return True
-        seen = seen.__cause__ or seen.__context__
     return False
 
 

@@ -16,7 +16,8 @@ from urllib.parse import unquote
 from ec_redis.codec import decode_parts, read_header
 from ec_redis.codec.format import HEADER_SIZE, MAX_PRODUCER_BYTES, BlobHeader
 from ec_redis.errors import BlobError
-from ec_redis.keys import HASHED_PREFIX
+from ec_redis.keys import HASHED_PREFIX, KeyBuilder
+from ec_redis.tiers.redis_tier import chunk_count
 
 _HEAD = re.compile(
     r"^(?P<ns>[A-Za-z0-9._-]+):v(?P<version>\d+):\{(?P<fp>[0-9a-f]{32})\.(?P<item>[^}]*)\}$"
@@ -165,7 +166,7 @@ def verify(client: Any, entry: Entry) -> str:
         return "gone"
     header = read_header(head)
     n = _chunks(header, len(head))
-    parts = [head, *(client.get(f"{entry.key}:c{i}") for i in range(1, n + 1))]
+    parts = [head, *(client.get(KeyBuilder.chunk(entry.key, i)) for i in range(1, n + 1))]
     if any(p is None for p in parts):
         return "incomplete: a chunk is missing (evicted?)"
     try:
@@ -204,7 +205,10 @@ def _number(value: object) -> float:
 
 
 def _chunks(header: BlobHeader, head_len: int) -> int:
-    rest = header.total_len - head_len
-    if rest <= 0 or header.part_bytes <= 0:
+    """Chunk keys after a head (0 for a one-value entry or a header no tier would follow)."""
+    if head_len >= header.total_len:
         return 0
-    return -(-rest // header.part_bytes)
+    try:
+        return chunk_count(header, head_len)
+    except BlobError:
+        return 0

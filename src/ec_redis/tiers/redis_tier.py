@@ -132,7 +132,7 @@ class RedisTier(Tier):
             if len(head) == header.total_len:
                 out[item] = decode_parts([head], header=header)
                 return
-            n = _chunk_count(header, len(head))
+            n = chunk_count(header, len(head))
         except BlobTooLargeError:
             # Valid but over *our* limit: a miss here; a reader with a larger limit may use it.
             self.counters.inc("oversized")
@@ -300,7 +300,7 @@ class RedisTier(Tier):
         keys = [head_key]
         if header is not None and head_len < header.total_len:
             # a head declaring parts below the floor (forged) is never read: delete just it
-            n = _chunk_count(header, head_len) if header.part_bytes >= MIN_PART_BYTES else 0
+            n = chunk_count(header, head_len) if header.part_bytes >= MIN_PART_BYTES else 0
             keys += [self.keys.chunk(head_key, i) for i in range(1, n + 1)]
         try:
             self.client.unlink(*keys)
@@ -348,8 +348,9 @@ def part_size(chunk_bytes: int) -> int:
     return chunk_bytes - ALLOCATOR_SLACK if chunk_bytes > 2 * ALLOCATOR_SLACK else chunk_bytes
 
 
-def _chunk_count(header: BlobHeader, head_len: int) -> int:
-    """How many chunk keys follow a head of ``head_len`` bytes."""
+def chunk_count(header: BlobHeader, head_len: int) -> int:
+    """How many chunk keys follow a head of ``head_len`` bytes (``BlobError`` when the header
+    cannot describe such an entry, e.g. a forged tiny part size)."""
     if header.part_bytes < MIN_PART_BYTES:
         raise BlobError(f"blob is longer than its head but declares parts of {header.part_bytes}")
     rest = header.total_len - head_len
