@@ -679,3 +679,35 @@ def test_on_host_lookups_return_owned_host_tensors_and_promote_nothing() -> None
         assert found is not None and found.device.type == "cpu" and torch.equal(found, tensor)
         assert not cache.gpu.contains("k")  # an on-host lookup promotes nothing to the GPU
         assert cache.stats()["cpu"]["hits"] == 1
+
+
+@pytest.mark.redis
+def test_describe_many_reads_heads_only_and_sees_queued_writes(
+    private_redis: EmbeddedRedis,
+) -> None:
+    """A pure producer's "already published?" check: dtype and shape from the blob head
+    (or from a write still queued), never the tensor."""
+    with TieredCache.from_config(
+        config(redis_url=private_redis.url, chunk_bytes="64KiB", cpu_cache_bytes=0)
+    ) as cache:
+        big, small = embedding(600, 128, seed=1), embedding(4, 128, seed=2)
+        cache.put("big", big)
+        cache.put("small", small)
+        assert cache.flush(10)
+        client = redis.Redis.from_url(private_redis.url)
+        head = next(k for k in client.scan_iter("*") if k.endswith(b"big}"))
+        client.config_resetstat()
+        described = cache.describe_many(["big", "small", "absent"])
+        assert described == {
+            "big": (torch.bfloat16, (600, 128)),
+            "small": (torch.bfloat16, (4, 128)),
+            "absent": None,
+        }
+        stats = client.info("commandstats")
+        assert "cmdstat_get" not in stats and "cmdstat_getrange" in stats  # heads only
+        client.set(head, b"ECRB not a header at all" * 8)  # corrupt: not published
+        assert cache.describe_many(["big"]) == {"big": None}
+        with paused(private_redis):  # a queued write counts as published
+            cache.put("queued", small)
+            assert cache.describe_many(["queued"]) == {"queued": (torch.bfloat16, (4, 128))}
+        client.close()

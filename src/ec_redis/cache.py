@@ -23,6 +23,8 @@ from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from ec_redis.tiers.transfer import HostCopy, Transfer
 from ec_redis.writer import BackgroundWriter
 
+Shape = tuple[int, ...]
+
 
 class TieredCache:
     """Item id -> tensor, served from the fastest tier that has it.
@@ -182,6 +184,24 @@ class TieredCache:
             return True
         return self.redis is not None and self.redis.contains(key)
 
+    def describe_many(self, keys: Iterable[str]) -> dict[str, tuple[torch.dtype, Shape] | None]:
+        """dtype and shape of entries published to Redis or on their way there (a queued
+        write), read from blob heads alone: no tensor bytes move. ``None``: not published."""
+        out: dict[str, tuple[torch.dtype, Shape] | None] = {}
+        remote: list[str] = []
+        for key in dict.fromkeys(map(_check_key, keys)):
+            pending = self.writer.pending(key) if self.writer is not None else None
+            out[key] = None if pending is None else _describe(pending.tensor)
+            if out[key] is None:
+                remote.append(key)
+        if remote and self.redis is not None and not self._closed:
+            try:
+                out.update(self.redis.describe_many(remote))
+            except Exception as exc:  # never take a vLLM step down with a cache read
+                self.counters.inc("internal_errors")
+                self._log.warning("internal", "ec_redis: unexpected error in a head read: %r", exc)
+        return out
+
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
@@ -258,6 +278,10 @@ class TieredCache:
         if self.writer is not None:
             out["writer"] = self.writer.stats()
         return out
+
+
+def _describe(tensor: torch.Tensor) -> tuple[torch.dtype, Shape]:
+    return tensor.dtype, tuple(tensor.shape)
 
 
 def _owned_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -351,11 +351,30 @@ class ConnectorOptions:
         metadata=_key(_int_at_least(1), "2", "Scheduler-side threads fetching from Redis."),
     )
     lookup_wait_s: float = field(
-        default=0.002,
+        default=0.001,
         metadata=_key(
             _float_at_least(0.0),
-            "0.002",
-            "Longest a scheduler step waits for an in-flight lookup (0: never waits).",
+            "0.001",
+            "Longest an idle scheduler step (nothing scheduled) waits for in-flight lookups, "
+            "once per step for all requests (0: never waits).",
+        ),
+    )
+    producer_check_wait_s: float = field(
+        default=0.02,
+        metadata=_key(
+            _float_at_least(0.0),
+            "0.02",
+            "ec_producer: longest a request is held while checking whether its items are "
+            "already published (then it encodes); 0: never held.",
+        ),
+    )
+    trust_client_uuids: bool = field(
+        default=False,
+        metadata=_key(
+            _bool,
+            "true",
+            "Start even though vLLM names items by a per-process counter "
+            "(mm_processor_cache_gb 0 and no prefix caching): every item carries a client uuid.",
         ),
     )
     recheck_s: float = field(

@@ -1,10 +1,9 @@
 """Fixtures for connector tests: vLLM configs mocked the way vLLM's own tests do, with a real
-``ECTransferConfig``, and fake requests carrying multimodal features."""
+``ECTransferConfig``, and real vLLM requests carrying multimodal features."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 from unittest.mock import Mock
 
@@ -12,41 +11,11 @@ import pytest
 import torch
 
 
-@dataclass
-class Position:
-    offset: int
-    length: int
+def request(request_id: str, *items: tuple[str, int]) -> Any:
+    """A real vLLM request (status WAITING) whose items (id, num_embeds) follow each other."""
+    from ec_redis.connector.bench import vllm_request
 
-    def get_num_embeds(self) -> int:
-        return self.length
-
-
-@dataclass
-class Feature:
-    identifier: str
-    mm_position: Position
-    modality: str = "image"
-    data: Any = None
-
-
-@dataclass
-class FakeRequest:
-    """The parts of ``vllm.v1.request.Request`` the connector reads."""
-
-    request_id: str
-    mm_features: list[Feature] = field(default_factory=list)
-
-    def get_num_encoder_embeds(self, index: int) -> int:
-        return self.mm_features[index].mm_position.get_num_embeds()
-
-
-def request(request_id: str, *items: tuple[str, int]) -> FakeRequest:
-    """A request whose items (id, num_embeds) sit one after another from token 4."""
-    features, offset = [], 4
-    for identifier, rows in items:
-        features.append(Feature(identifier, Position(offset, rows)))
-        offset += rows + 2
-    return FakeRequest(request_id, features)
+    return vllm_request(request_id, *items)
 
 
 def vllm_config(

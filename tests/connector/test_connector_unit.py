@@ -170,8 +170,23 @@ def test_items_already_in_vllms_encoder_cache_do_not_hold_a_chunked_prefill(
     assert scheduler.has_cache_item("img")
     scheduler.update_state_after_alloc(req, 0)
     scheduler.build_connector_meta(None)
-    # Next chunk of the same prefill: the item is mid-consumption and in vLLM's cache.
+    # Next chunk of the same prefill: the request runs, the item is mid-consumption and
+    # sits in vLLM's encoder cache, so nothing holds the request.
+    from vllm.v1.request import RequestStatus
+
+    req.status = RequestStatus.RUNNING
     assert scheduler.ensure_cache_available(req, 10) is True
+    assert scheduler.live_state()["items"] == 0  # the load took it; nothing is re-staged
+
+
+def test_a_waiting_request_past_an_items_start_still_needs_it(make_connector: Make) -> None:
+    # A prefix-cache hit can put a *waiting* request's computed tokens inside an image that
+    # vLLM's encoder cache does not hold: the item is still needed (and staged).
+    publish(make_connector, {"img": embedding(16, 128)})
+    scheduler = make_connector("ec_consumer", extra={"lookup_wait_s": 0})
+    req = request("r1", ("img", 16))
+    assert scheduler.ensure_cache_available(req, 10) is False
+    assert wait_ready(scheduler, req) and scheduler.has_cache_item("img")
 
 
 def test_request_finished_releases_staging_and_returns_no_params(make_connector: Make) -> None:
@@ -184,13 +199,58 @@ def test_request_finished_releases_staging_and_returns_no_params(make_connector:
     assert scheduler.stats_snapshot()["staged_bytes"] == 0
 
 
-def test_producer_scheduler_never_holds_requests(make_connector: Make) -> None:
-    scheduler = make_connector("ec_producer")
+def test_a_producer_skips_items_already_published(make_connector: Make) -> None:
+    publish(make_connector, {"img": embedding(16, 128)})
+    scheduler = make_connector("ec_producer", extra={"producer_check_wait_s": 5})
+    req = request("r1", ("img", 16))
+    assert wait_ready(scheduler, req)  # held only while the head check runs
+    assert scheduler.has_cache_item("img") is True  # published: the encoder skips it
+    scheduler.update_state_after_alloc(req, 0)
+    assert scheduler.build_connector_meta(None).loads == []  # a producer loads nothing
+    assert scheduler.stats_snapshot()["skipped_encodes"] == 1
+    assert scheduler.stats_snapshot().get("hits_redis", 0) == 0  # heads only: no tensor read
+    scheduler.request_finished(req)
+    assert scheduler.live_state()["items"] == 0 and scheduler.live_state()["requests"] == 0
+
+
+def test_a_producer_encodes_what_is_not_published(make_connector: Make) -> None:
+    scheduler = make_connector("ec_producer", extra={"producer_check_wait_s": 5})
+    req = request("r1", ("new-img", 16))
+    assert wait_ready(scheduler, req)
+    assert scheduler.has_cache_item("new-img") is False
+
+
+def test_a_producer_encodes_a_published_item_of_other_rows(make_connector: Make) -> None:
+    publish(make_connector, {"img": embedding(20, 128)})  # a reused uuid, other content
+    scheduler = make_connector("ec_producer", extra={"producer_check_wait_s": 5})
+    req = request("r1", ("img", 16))
+    assert wait_ready(scheduler, req)
+    assert scheduler.has_cache_item("img") is False
+
+
+def test_a_producer_with_no_check_time_never_holds_a_request(make_connector: Make) -> None:
+    scheduler = make_connector("ec_producer", extra={"producer_check_wait_s": 0})
     req = request("r1", ("img", 16))
     assert scheduler.ensure_cache_available(req, 0) is True
     assert scheduler.has_cache_item("img") is False
-    scheduler.update_state_after_alloc(req, 0)
-    assert scheduler.build_connector_meta(None).loads == []
+
+
+def test_a_producer_holds_at_most_producer_check_wait_s_on_a_stalled_redis(
+    make_connector: Make, private_redis: Any
+) -> None:
+    from tests.conftest import paused
+
+    scheduler = make_connector(
+        "ec_producer",
+        extra={"redis_url": private_redis.url, "producer_check_wait_s": 0.05},
+    )
+    req = request("r1", ("img", 16))
+    with paused(private_redis):  # the head check never returns while paused
+        started = time.monotonic()
+        assert wait_ready(scheduler, req, timeout_s=5.0)
+        held_s = time.monotonic() - started
+        assert scheduler.has_cache_item("img") is False  # encode rather than wait
+    assert held_s < 1.0  # bounds the hold (0.05 s configured), not speed
 
 
 def test_save_caches_only_on_producers(make_connector: Make, redis_url: str) -> None:

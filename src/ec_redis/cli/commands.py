@@ -231,6 +231,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def bench_connector(args: argparse.Namespace) -> int:
+    if args.scheduler:
+        return _bench_scheduler(args)
     rows = _bench_hooks(args, args.quick, args.runs)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
@@ -238,6 +240,19 @@ def bench_connector(args: argparse.Namespace) -> int:
         from ec_redis.connector.bench import render
 
         print(render(rows))
+    return 0
+
+
+def _bench_scheduler(args: argparse.Namespace) -> int:
+    try:
+        from ec_redis.connector import sched_bench
+    except ImportError as exc:
+        raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
+    rows = sched_bench.run(args.steps, _err)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print(sched_bench.render(rows))
     return 0
 
 

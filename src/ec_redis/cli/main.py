@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hooks.add_argument("--runs", type=int, default=20, help="items per size (default 20)")
     hooks.add_argument("--quick", action="store_true", help="two item sizes")
+    hooks.add_argument(
+        "--scheduler",
+        action="store_true",
+        help="instead: what the scheduler hooks add to one step with 1/64/256 requests waiting",
+    )
+    hooks.add_argument("--steps", type=int, default=200, help="--scheduler: steps per size")
     return parser
 
 

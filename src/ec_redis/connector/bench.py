@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from unittest.mock import Mock
 
@@ -24,30 +24,25 @@ from ec_redis.bench.workload import Item, activation_like
 HOOKS = ("save_caches", "visible_after_save", "has_cache_item", "alloc+meta", "start_load_caches")
 
 
-@dataclass
-class _Position:
-    offset: int
-    length: int
+def vllm_request(request_id: str, *items: tuple[str, int]) -> Any:
+    """A real ``vllm.v1.request.Request`` (status WAITING, nothing computed) whose image
+    items ``(identifier, num_embeds)`` sit one after another from token 4."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
 
-    def get_num_embeds(self) -> int:
-        return self.length
-
-
-@dataclass
-class _Feature:
-    identifier: str
-    mm_position: _Position
-    modality: str = "image"
-    data: Any = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    mm_features: list[_Feature] = field(default_factory=list)
-
-    def get_num_encoder_embeds(self, index: int) -> int:
-        return self.mm_features[index].mm_position.get_num_embeds()
+    features, offset = [], 4
+    for identifier, rows in items:
+        position = PlaceholderRange(offset=offset, length=rows)
+        features.append(MultiModalFeatureSpec(None, "image", identifier, position))
+        offset += rows + 2
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=[0] * (offset + 4),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        mm_features=features,
+    )
 
 
 @dataclass
@@ -130,7 +125,7 @@ def one_item(
     out: dict[str, float] = {}
     tensor = activation_like(item.rows, item.width, seed=run)
     mm_hash = f"{tag}-{item.rows}-{run}-{time.time_ns()}"
-    req = _Request(f"req-{mm_hash}", [_Feature(mm_hash, _Position(4, item.rows))])
+    req = vllm_request(f"req-{mm_hash}", (mm_hash, item.rows))
     out["save_caches"] = _timed(
         lambda: producer.save_caches(encoder_cache={mm_hash: tensor}, mm_hash=mm_hash)
     )

@@ -20,7 +20,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ec_redis.config import parse_extra_config
 from ec_redis.connector import shared
-from ec_redis.connector.scheduler import SchedulerSide, TensorCheck
+from ec_redis.connector.checks import TensorCheck
+from ec_redis.connector.ids import check_item_ids
+from ec_redis.connector.scheduler import SchedulerSide
 from ec_redis.connector.stats import (
     Deltas,
     ECRedisPromMetrics,
@@ -42,6 +44,7 @@ class ECRedisConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config
         config, options = parse_extra_config(extra)
+        check_item_ids(vllm_config, options.trust_client_uuids)
         self.identity = model_identity(vllm_config, config)
         self._cache = shared.acquire(config, self.identity)
         self._deltas = Deltas()
@@ -51,7 +54,9 @@ class ECRedisConnector(ECConnectorBase):
             self._scheduler = SchedulerSide(
                 self._cache,
                 options,
-                TensorCheck(_model_dtype(vllm_config), _width_lookup(vllm_config)),
+                TensorCheck(
+                    _model_dtype(vllm_config), _width_lookup(vllm_config), self.identity.width
+                ),
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
             )
@@ -148,6 +153,11 @@ class ECRedisConnector(ECConnectorBase):
             if "write_queue_depth" in stats.data:
                 self._scheduler.reported_queue_depth = stats.data["write_queue_depth"]
         return None if stats.is_empty() else stats
+
+    def live_state(self) -> dict[str, int]:
+        """Sizes of the scheduler half's tables (per request, per item, per step) and its
+        staging bytes; empty on the worker half."""
+        return self._scheduler.live_state() if self._scheduler is not None else {}
 
     def stats_snapshot(self) -> dict[str, Any]:
         """Cumulative counters of this half (the scheduler half: plus its cache's)."""

@@ -1,55 +1,67 @@
-"""Scheduler half: decides, without blocking a step, which items the worker will load.
+"""Scheduler half: decides, without blocking a step, which items vLLM loads instead of encoding.
 
-Call order driven by vLLM each step (per request with multimodal items)::
+Call order driven by vLLM's scheduler (``vllm/v1/core/sched/scheduler.py``) each step::
 
-    ensure_cache_available(request)   # start batched lookups; hold the request until staged
-    has_cache_item(identifier)        # True only for items staged *and* validated
-    update_state_after_alloc(request, index)   # record the promised loads
-    build_connector_meta()            # hand the staged tensors to the worker; reset
-    update_connector_output(output)   # worker -> scheduler: queued writes
-    take_unavailable_requests()       # requests to fail as retryable (on_missing="fail")
-    request_finished(request)         # forget its staging
+    ensure_cache_available(request, n)    # per request with items: start lookups; hold the
+                                          # request while one of its items is on its way
+    has_cache_item(identifier)            # that request's items vLLM would otherwise encode
+    update_state_after_alloc(request, i)  # every allocation: a load iff we said yes above
+    build_connector_meta(output)          # this step's loads; per-step state resets here
+    update_connector_output(output)       # worker -> scheduler: writes still queued
+    take_unavailable_requests()           # requests to fail as retryable (on_missing="fail")
+    update_state_after_free(request, i)   # the item is consumed: the request lets go of it
+    request_finished(request)             # finish or abort: every trace of the request goes
 
-A "yes" is a promise the worker must keep (vLLM crashes the step otherwise), so it is only
-given for bytes already in this process, checked for dtype, width and row count.
+State, and what it dies with:
+
+- **per step**: the answers ``has_cache_item`` gave (each holding what it promised) and the
+  loads they became; reset by ``build_connector_meta``. A "yes" is a promise the worker must
+  keep (vLLM crashes the step otherwise), so it is given only for bytes already in this
+  process, checked for dtype, width and the asking request's rows.
+- **per request**: when it was first seen and which staging entries it wants; gone in
+  ``request_finished``. Nothing here mirrors vLLM's own encoder cache: which items a request
+  still needs is derived from its status and token count at each call, so a preemption
+  (tokens back to 0) simply makes its items needed again.
+- **per item**: the staging entry (``staging.py``), alive while a live request wants it.
+
+No hook raises for a cache, Redis or timing condition: problems are counted, logged at a
+limited rate, and become local encodes. Per step there is at most one bounded wait, shared
+by all requests, and only on a step that scheduled nothing (an engine that would otherwise
+spin while lookups run).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from vllm.v1.request import RequestStatus
 
 from ec_redis.cache import TieredCache
 from ec_redis.config import ConnectorOptions
+from ec_redis.connector.checks import TensorCheck
+from ec_redis.connector.ids import is_request_scoped
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
-from ec_redis.connector.staging import ABSENT, FETCHING, STAGED, Stager
+from ec_redis.connector.staging import ABSENT, FETCHING, STAGED, Found, Stager
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 
 PUSH_REPORT_FRESH_S = 10.0
+MAX_OBSERVATIONS = 1024
+MAX_REQUESTS = 65536  # request records; vLLM finishes every request, this is a backstop
+HOUSEKEEPING_S = 1.0
+Needed = list[tuple[int, str, str]]  # (index into mm_features, identifier, modality)
 
 
-class TensorCheck:
-    """What a fetched tensor must look like to be handed to vLLM."""
-
-    def __init__(self, dtype: torch.dtype, width_for: Callable[[str], int | None]) -> None:
-        self.dtype = dtype
-        self._width_for = width_for
-
-    def problem(self, tensor: torch.Tensor, modality: str, num_embeds: int) -> str | None:
-        if tensor.dim() != 2:
-            return f"rank {tensor.dim()}, expected 2"
-        if tensor.dtype != self.dtype:
-            return f"dtype {tensor.dtype}, expected {self.dtype}"
-        if tensor.shape[0] != num_embeds:
-            return f"{tensor.shape[0]} rows, the request expects {num_embeds}"
-        width = self._width_for(modality)
-        if width is not None and tensor.shape[1] != width:
-            return f"width {tensor.shape[1]}, expected {width}"
-        return None
+@dataclass(eq=False)
+class RequestRecord:
+    first_seen: float
+    wanted: set[str] = field(default_factory=set)  # staging entries it registered in
+    held_at: int = -1  # stager generation when it was last held back
+    next_look: float = math.inf  # when a held request must be looked at again anyway
 
 
 class SchedulerSide:
@@ -71,129 +83,277 @@ class SchedulerSide:
         # A pure consumer waits for items its encoder instance is still writing.
         self._wait_s = options.consumer_wait_s if is_consumer and not is_producer else 0.0
         self._clock = clock
-        self._lookup_wait_s = options.lookup_wait_s
         self.counters = Counters()
         self._fetch_seconds: list[float] = []
         self._stager = Stager(
-            cache,
+            self._fetch_tensors if is_consumer else self._check_published,
             threads=options.lookup_threads,
             stage_bytes=options.stage_bytes,
+            check=check.problem,
             clock=clock,
-            on_fetch=self._fetch_seconds.append,
+            on_fetch=self._observe_fetch,
         )
-        self._first_seen: dict[str, float] = {}
-        # Items vLLM already allocated per request (loaded or computed): a chunked prefill
-        # calls ensure_cache_available again while they sit in vLLM's encoder cache.
-        self._allocated: dict[str, set[str]] = {}
-        self._validated: set[str] = set()
-        self._loads: dict[str, LoadItem] = {}
+        self._records: dict[str, RequestRecord] = {}
         self._unavailable: set[str] = set()
+        # Per step (reset by build_connector_meta).
+        self._current: Any = None  # the request ensure_cache_available saw last
+        self._answers: dict[str, Found] = {}
+        self._loads: dict[str, LoadItem] = {}
+        self._step_start: float | None = None
+        self._held_this_step = False
+        # Worker reports (producers).
         self._pending_writes = 0
         self._pending_reported_at = 0.0
         self.reported_queue_depth = 0.0  # the write-queue gauge as last reported to vLLM
+        self._next_housekeeping = 0.0
         self._log = RateLimitedLog()
+
+    # -- lookups (run on the stager's threads) ----------------------------------------------
+
+    def _fetch_tensors(self, items: list[str]) -> dict[str, Found | None]:
+        # Host tensors that own their memory: staged bytes may cross to worker processes.
+        found = self._cache.get_many(items, on_host=True)
+        return {
+            item: None if t is None else Found(t.dtype, tuple(t.shape), t)
+            for item, t in found.items()
+        }
+
+    def _check_published(self, items: list[str]) -> dict[str, Found | None]:
+        # A pure producer loads nothing: the blob heads say whether, and what, is published.
+        described = self._cache.describe_many(items)
+        return {item: None if d is None else Found(d[0], d[1]) for item, d in described.items()}
+
+    def _observe_fetch(self, seconds: float) -> None:
+        if len(self._fetch_seconds) < MAX_OBSERVATIONS:
+            self._fetch_seconds.append(seconds)
 
     # -- the scheduling hot path -----------------------------------------------------------
 
-    def ensure_cache_available(
-        self, request: Any, num_computed_tokens: int, _waited: bool = False
-    ) -> bool:
-        if not self._is_consumer:
-            return True  # producers never load; has_cache_item answers from staging alone
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        self._current = request
+        if self._step_start is None:
+            self._step_start = self._clock()
+        try:
+            return self._ensure(request, num_computed_tokens)
+        except Exception as exc:
+            self._internal_error("ensure_cache_available", exc)
+            return True  # let vLLM encode whatever we cannot vouch for
+
+    def _ensure(self, request: Any, num_computed_tokens: int) -> bool:
+        needed = self._needed(request, num_computed_tokens)
+        if not needed:
+            return True
+        request_id = request.request_id
         now = self._clock()
-        first = self._first_seen.setdefault(request.request_id, now)
-        ready = True
-        to_fetch: list[str] = []
-        allocated = self._allocated.get(request.request_id, ())
+        record = self._records.get(request_id)
+        if record is None:
+            record = self._new_record(request_id, now)
+        elif record.held_at == self._stager.generation and now < record.next_look:
+            return self._hold()  # nothing it waits for can have changed since
+        generation = self._stager.generation  # read before looking at any entry
+        if self._is_consumer:
+            ready, next_look = self._evaluate_loads(request, record, needed, now)
+        else:
+            ready, next_look = self._evaluate_published(request_id, record, needed, now)
+        if ready:
+            record.held_at = -1
+            return True
+        record.held_at, record.next_look = generation, next_look
+        return self._hold()
+
+    def _hold(self) -> bool:
+        self.counters.inc("waits")
+        self._held_this_step = True
+        return False
+
+    def _needed(self, request: Any, num_computed_tokens: int) -> Needed:
+        """Items the request still needs and vLLM's encoder cache does not hold for it:
+        not consumed yet, and, for a running request, not started (an item a running
+        request is part-way through sits in vLLM's encoder cache until it is consumed)."""
+        running = request.status == RequestStatus.RUNNING
+        out: Needed = []
         for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
-                continue  # already consumed by the model
-            item = feature.identifier
-            if item in allocated:
-                continue  # in vLLM's encoder cache already
-            entry = self._stager.entry(item)
+                continue
+            if running and position.offset < num_computed_tokens:
+                continue
+            if is_request_scoped(feature.identifier):
+                continue  # names a request, not content: never cached (see ids.py)
+            out.append((index, feature.identifier, feature.modality))
+        return out
+
+    def _new_record(self, request_id: str, now: float) -> RequestRecord:
+        if len(self._records) >= MAX_REQUESTS:  # vLLM lost track of one: drop the oldest
+            oldest = next(iter(self._records))
+            self.counters.inc("dropped_request_records")
+            self._forget(oldest)
+        record = self._records[request_id] = RequestRecord(first_seen=now)
+        return record
+
+    def _evaluate_loads(
+        self, request: Any, record: RequestRecord, needed: Needed, now: float
+    ) -> tuple[bool, float]:
+        """Consumers: ready once every needed item is staged, refused, or given up on."""
+        request_id = request.request_id
+        ready, next_look = True, math.inf
+        look: list[tuple[str, str, int]] = []
+        for index, item, modality in needed:
+            entry = self._stager.get(item)
             if entry is None:
-                if self._stager.has_room():
-                    to_fetch.append(item)
-                    ready = False
-                continue  # no room to stage: encode locally
+                rows = request.get_num_encoder_embeds(index)
+                look.append((item, modality, self._check.reserve(modality, rows)))
+                continue
+            if request_id not in entry.wanted_by:
+                self._stager.want(entry, request_id)
+                record.wanted.add(item)
             if entry.state == FETCHING:
                 ready = False
-            elif entry.state == STAGED:
-                self._validate(request, index, item, entry.tensor)
-            elif entry.state == ABSENT and not self._give_up(request, now, first):
+            elif entry.state == ABSENT:
+                deadline = record.first_seen + self._wait_s
+                if now >= deadline:
+                    if self._fail_missing(request_id):
+                        ready = False  # held until vLLM fails it
+                    continue  # encode it locally
                 ready = False
-                if now - entry.since >= self._options.recheck_s:
-                    to_fetch.append(item)
-        if to_fetch:
-            self._stager.fetch(to_fetch, request.request_id)
-        if not ready:
-            self.counters.inc("waits")
-            if not _waited and self._lookup_wait_s > 0 and (to_fetch or self._fetching(request)):
-                # A short, bounded wait: small items become ready in this very call, and a
-                # spinning engine loop no longer starves the lookup threads of the GIL.
-                self._stager.wait(self._lookup_wait_s)
-                return self.ensure_cache_available(request, num_computed_tokens, _waited=True)
-        return ready
+                due = entry.since + self._options.recheck_s
+                if now >= due:
+                    rows = request.get_num_encoder_embeds(index)
+                    look.append((item, modality, self._check.reserve(modality, rows)))
+                next_look = min(next_look, due, deadline)
+            # STAGED and REFUSED decide nothing more here (has_cache_item checks rows)
+        if look and self._start(look, request_id, record):
+            ready = False
+        return ready, next_look
 
-    def _fetching(self, request: Any) -> bool:
-        for feature in request.mm_features:
-            entry = self._stager.entry(feature.identifier)
-            if entry is not None and entry.state == FETCHING:
-                return True
-        return False
+    def _evaluate_published(
+        self, request_id: str, record: RequestRecord, needed: Needed, now: float
+    ) -> tuple[bool, float]:
+        """Pure producers: hold a request at most ``producer_check_wait_s`` while its
+        "already published?" checks run; after that, whatever is not known is encoded."""
+        deadline = record.first_seen + self._options.producer_check_wait_s
+        if now >= deadline:
+            return True, math.inf  # too late for a check to spare this request's encoder
+        look: list[tuple[str, str, int]] = []
+        in_flight = False
+        for _, item, modality in needed:
+            entry = self._stager.get(item)
+            if entry is None or (
+                entry.state == ABSENT and now >= entry.since + self._options.recheck_s
+            ):
+                look.append((item, modality, 0))
+                continue
+            if request_id not in entry.wanted_by:
+                self._stager.want(entry, request_id)
+                record.wanted.add(item)
+            in_flight |= entry.state == FETCHING
+        if look and self._start(look, request_id, record):
+            in_flight = True
+        return (False, deadline) if in_flight else (True, math.inf)
 
-    def _give_up(self, request: Any, now: float, first: float) -> bool:
-        """An item is still absent: stop waiting (encode locally) or fail the request."""
-        if now - first < self._wait_s:
+    def _start(
+        self, look: list[tuple[str, str, int]], request_id: str, record: RequestRecord
+    ) -> bool:
+        _, refused = self._stager.fetch(look, request_id)
+        record.wanted.update(item for item, _, _ in look if item not in refused)
+        return len(refused) < len(look)  # something is on its way (started or joined)
+
+    def _fail_missing(self, request_id: str) -> bool:
+        """on_missing="fail" (pure consumers): fail the request instead of encoding."""
+        if self._options.on_missing != "fail" or self._is_producer:
             return False
-        if self._options.on_missing == "fail":
-            if request.request_id not in self._unavailable:
-                self._unavailable.add(request.request_id)
-                self.counters.inc("unavailable_requests")
-            return False  # keep holding it until vLLM fails it
+        if request_id not in self._unavailable:
+            self._unavailable.add(request_id)
+            self.counters.inc("unavailable_requests")
         return True
 
-    def _validate(self, request: Any, index: int, item: str, tensor: Any) -> None:
-        if item in self._validated:
-            return
-        feature = request.mm_features[index]
-        problem = self._check.problem(
-            tensor, feature.modality, request.get_num_encoder_embeds(index)
-        )
-        if problem is None:
-            self._validated.add(item)
-            return
-        self._stager.drop(item)  # not deleted: another request may legitimately match it
-        self.counters.inc("rejected_items")
-        self._log.warning(
-            "reject", "ec_redis: cached item %r refused (%s); encoding it", item, problem
-        )
-
     def has_cache_item(self, identifier: str) -> bool:
-        entry = self._stager.entry(identifier)
-        found = entry is not None and entry.state == STAGED and identifier in self._validated
-        if not found and self._is_consumer:
-            self.counters.inc("local_fallbacks")
+        try:
+            found = self._answer(identifier)
+        except Exception as exc:
+            self._internal_error("has_cache_item", exc)
+            found = None
+        if found is None:
+            if self._is_consumer:
+                self.counters.inc("local_fallbacks")
+            return False
+        if not self._is_consumer:
+            self.counters.inc("skipped_encodes")  # published already: the encoder skips it
+        return True
+
+    def _answer(self, identifier: str) -> Found | None:
+        entry = self._stager.get(identifier)
+        found = entry.found if entry is not None and entry.state == STAGED else None
+        if found is None or (self._is_consumer and found.tensor is None):
+            return None
+        rows = self._expected_rows(identifier)
+        if rows is None:
+            return None  # asked outside the request's own scheduling: cannot vouch for rows
+        if found.rows != rows:
+            self.counters.inc("rejected_items")
+            self._log.warning(
+                "rows", "ec_redis: cached item %r has %d rows, the request expects %d; "
+                "encoding it", identifier, found.rows, rows,
+            )  # fmt: skip
+            return None
+        self._answers[identifier] = found
         return found
 
+    def _expected_rows(self, identifier: str) -> int | None:
+        request = self._current
+        if request is None:
+            return None
+        for index, feature in enumerate(request.mm_features):
+            if feature.identifier == identifier:
+                rows: int = request.get_num_encoder_embeds(index)
+                return rows
+        return None
+
     def update_state_after_alloc(self, request: Any, index: int) -> None:
-        item = request.mm_features[index].identifier
-        self._allocated.setdefault(request.request_id, set()).add(item)
-        if not self._is_consumer or item not in self._validated:
-            return  # computed locally
-        tensor = self._stager.take(item)
-        self._validated.discard(item)
-        if tensor is None:  # cannot happen: has_cache_item said yes from the same entry
-            raise RuntimeError(f"ec_redis: promised item {item!r} is no longer staged")
-        self._loads[item] = LoadItem(item, request.get_num_encoder_embeds(index), tensor)
+        try:
+            item = request.mm_features[index].identifier
+            found = self._answers.get(item)
+            if found is None:
+                return  # encoded locally
+            if self._is_consumer and found.tensor is not None:
+                self._loads[item] = LoadItem(item, found.rows, found.tensor)  # the promise
+                if request.get_num_encoder_embeds(index) != found.rows:
+                    self.counters.inc("promise_mismatches")  # unreachable by construction
+            self._let_go(request.request_id, item)
+        except Exception as exc:
+            self._internal_error("update_state_after_alloc", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECRedisMetadata:
         meta = ECRedisMetadata(loads=list(self._loads.values()))
-        self._loads.clear()
-        self._stager.expire()
+        self._loads, self._answers, self._current = {}, {}, None
+        try:
+            if self._idle(scheduler_output):
+                self._wait_for_lookups()
+            self._housekeeping()
+        except Exception as exc:
+            self._internal_error("build_connector_meta", exc)
+        self._step_start, self._held_this_step = None, False
         return meta
+
+    @staticmethod
+    def _idle(scheduler_output: Any) -> bool:
+        return getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+
+    def _wait_for_lookups(self) -> None:
+        """One bounded wait on a step that scheduled nothing while requests wait for us: the
+        engine would otherwise spin and starve the lookup threads of the GIL."""
+        wait_s = self._options.lookup_wait_s
+        if not self._held_this_step or wait_s <= 0 or self._stager.in_flight == 0:
+            return
+        start = self._step_start if self._step_start is not None else self._clock()
+        self._stager.wait(self._stager.generation, start + wait_s)
+
+    def _housekeeping(self) -> None:
+        now = self._clock()
+        if now < self._next_housekeeping:
+            return
+        self._next_housekeeping = now + HOUSEKEEPING_S
+        self._stager.expire()
 
     # -- after the step ----------------------------------------------------------------------
 
@@ -222,21 +382,61 @@ class SchedulerSide:
         failed, self._unavailable = self._unavailable, set()
         return failed
 
+    def update_state_after_free(self, request: Any, index: int) -> None:
+        try:
+            self._let_go(request.request_id, request.mm_features[index].identifier)
+        except Exception as exc:
+            self._internal_error("update_state_after_free", exc)
+
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        self._first_seen.pop(request.request_id, None)
-        self._allocated.pop(request.request_id, None)
-        self._stager.release_request(request.request_id)
+        try:
+            self._forget(request.request_id)
+            if self._current is request:
+                self._current = None
+        except Exception as exc:
+            self._internal_error("request_finished", exc)
         return False, None
 
-    def update_state_after_free(self, request: Any, index: int) -> None:
-        item = request.mm_features[index].identifier
-        self._validated.discard(item)
-        self._allocated.get(request.request_id, set()).discard(item)
+    def _let_go(self, request_id: str, item: str) -> None:
+        record = self._records.get(request_id)
+        if record is not None:
+            record.wanted.discard(item)
+        self._stager.release(item, request_id)
+
+    def _forget(self, request_id: str) -> None:
+        record = self._records.pop(request_id, None)
+        self._unavailable.discard(request_id)
+        if record is not None:
+            for item in record.wanted:
+                self._stager.release(item, request_id)
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def _internal_error(self, hook: str, exc: Exception) -> None:
+        self.counters.inc("internal_errors")
+        self._log.warning(
+            "internal-" + hook, "ec_redis: %s failed (%r); falling back to local encoding",
+            hook, exc,
+        )  # fmt: skip
+
+    def live_state(self) -> dict[str, int]:
+        """Sizes of every table this half keeps (tests assert they drain)."""
+        out = self._stager.live_state()
+        out.update(
+            requests=len(self._records),
+            unavailable=len(self._unavailable),
+            answers=len(self._answers),
+            loads=len(self._loads),
+        )
+        return out
 
     def snapshot(self) -> dict[str, Any]:
-        """Cumulative counters plus the staged-bytes gauge."""
+        """Cumulative counters plus the staging gauges."""
         out: dict[str, Any] = dict(self.counters.snapshot())
+        for name, value in self._stager.counters.snapshot().items():
+            out[name] = out.get(name, 0) + value
         out["staged_bytes"] = self._stager.staged_bytes
+        out["reserved_bytes"] = self._stager.reserved_bytes
         return out
 
     def take_observations(self) -> dict[str, list[float]]:
@@ -247,3 +447,5 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._stager.close()
+        self._records.clear()
+        self._unavailable.clear()

@@ -1,164 +1,285 @@
-"""Scheduler-side staging: fetch items off the scheduling path, hold them until loaded.
+"""Scheduler-side staging: one entry per item, looked up off the scheduling path and held
+until a step loads it or no live request wants it any more.
 
-A lookup runs on a small thread pool (one batched ``get_many`` per request: local tiers,
-then one pipelined Redis round trip). Its result is a staged host tensor, or "absent" with a
-timestamp. Staged bytes are bounded by ``stage_bytes``; entries nobody loads expire.
+An entry's life::
+
+    FETCHING (bytes reserved) ──► STAGED (found: a tensor, or a producer's description)
+                               ├─► ABSENT (a later look may refetch it)
+                               └─► REFUSED (wrong dtype/width, or no room once its real
+                                            size was known)
+
+It dies when the last request that wants it lets go (loaded, freed, finished, aborted), or
+after ``idle_ttl_s`` untouched (a safety net, never the mechanism). A lookup in flight keeps
+its reservation until it returns, even if nobody wants the result any more: the bytes are
+being allocated by then. Staged plus reserved bytes never exceed ``stage_bytes`` by more
+than one item, and the table never holds more than ``max_items`` entries.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from ec_redis.cache import TieredCache
 from ec_redis.logutil import RateLimitedLog
-from ec_redis.tiers.base import tensor_nbytes
+from ec_redis.stats import Counters
 
-FETCHING, STAGED, ABSENT = "fetching", "staged", "absent"
+FETCHING, STAGED, ABSENT, REFUSED = "fetching", "staged", "absent", "refused"
 
 
-@dataclass
-class Entry:
-    state: str
-    since: float
+@dataclass(frozen=True)
+class Found:
+    """What a lookup found: the tensor itself (loads) or only its description (a pure
+    producer's "already published?" check reads the blob header, never the tensor)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
     tensor: torch.Tensor | None = None
-    requests: set[str] = field(default_factory=set)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 0
 
     @property
     def nbytes(self) -> int:
-        return tensor_nbytes(self.tensor) if self.tensor is not None else 0
+        if self.tensor is None:
+            return 0
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+Lookup = Callable[[list[str]], Mapping[str, Found | None]]
+# Entry-level validation (dtype, width) of what a lookup found: a problem, or None.
+Check = Callable[[str, Found], str | None]
+
+
+@dataclass(eq=False)
+class Entry:
+    item: str
+    modality: str
+    state: str
+    since: float  # when the current state began
+    touched: float  # last time a request asked for it
+    reserved: int = 0  # bytes reserved while FETCHING
+    found: Found | None = None
+    wanted_by: set[str] = field(default_factory=set)
 
 
 class Stager:
-    """Thread-safe table of item id -> Entry, filled by background fetches."""
+    """Thread-safe table of item id -> Entry, filled by batched background lookups."""
 
     def __init__(
         self,
-        cache: TieredCache,
+        lookup: Lookup,
         *,
         threads: int,
         stage_bytes: int,
-        stage_ttl_s: float = 120.0,
+        max_items: int = 16384,
+        idle_ttl_s: float = 300.0,
+        check: Check | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_fetch: Callable[[float], None] | None = None,
     ) -> None:
-        self._cache = cache
+        self._lookup = lookup
+        self._check = check
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ec_redis-stage")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
-        self._staged_bytes = 0
-        self._stage_bytes = stage_bytes
-        self._stage_ttl_s = stage_ttl_s
+        self.stage_bytes = stage_bytes
+        self.max_items = max_items
+        self._idle_ttl_s = idle_ttl_s
         self._clock = clock
         self._on_fetch = on_fetch
+        self.staged_bytes = 0
+        self.reserved_bytes = 0
+        self.max_item_bytes = 0  # largest item staged or reserved so far
+        self.in_flight = 0  # lookups submitted and not yet returned
+        # Bumped whenever a lookup returns: a held request whose answer cannot have changed
+        # since it last looked is answered without walking its items again.
+        self.generation = 0
+        self.counters = Counters()
         self._closed = False
         self._log = RateLimitedLog()
 
-    def entry(self, item: str) -> Entry | None:
-        with self._lock:
-            return self._entries.get(item)
+    # -- reads (lock-free: a dict read and attribute reads are atomic in CPython) -----------
 
-    @property
-    def staged_bytes(self) -> int:
-        with self._lock:
-            return self._staged_bytes
+    def get(self, item: str) -> Entry | None:
+        return self._entries.get(item)
 
-    def has_room(self) -> bool:
-        with self._lock:
-            return self._staged_bytes < self._stage_bytes
+    # -- requests take and drop interest --------------------------------------------------
 
-    def fetch(self, items: Iterable[str], request_id: str) -> None:
-        """Start one batched lookup for ``items`` (those not already being fetched)."""
+    def want(self, entry: Entry, request_id: str) -> None:
+        with self._lock:
+            entry.wanted_by.add(request_id)
+            entry.touched = self._clock()
+
+    def fetch(
+        self, wanted: Iterable[tuple[str, str, int]], request_id: str
+    ) -> tuple[list[str], list[str]]:
+        """Start one batched lookup for ``(item, modality, reserve_bytes)`` triples: new items
+        and ABSENT ones due for another look. Returns ``(started, refused)``: what is now in
+        flight for ``request_id``, and what found no room (the caller encodes those)."""
         now = self._clock()
-        batch = []
+        started: list[str] = []
+        refused: list[str] = []
         with self._lock:
             if self._closed:
-                return
-            for item in items:
+                return [], [item for item, _, _ in wanted]
+            for item, modality, reserve in wanted:
                 entry = self._entries.get(item)
                 if entry is not None and entry.state == FETCHING:
-                    entry.requests.add(request_id)
+                    entry.wanted_by.add(request_id)
+                    continue  # already on its way
+                if not self._has_room_locked(entry is None):
+                    refused.append(item)
+                    self.counters.inc("stage_full")
                     continue
-                self._drop_locked(item)
-                self._entries[item] = Entry(FETCHING, now, requests={request_id})
-                batch.append(item)
-        if batch:
-            self._pool.submit(self._run, batch)
+                if entry is None:
+                    entry = Entry(item, modality, FETCHING, now, now)
+                    self._entries[item] = entry
+                else:  # ABSENT (or REFUSED) again: look once more
+                    entry.state, entry.since, entry.found = FETCHING, now, None
+                entry.touched = now
+                entry.reserved = reserve
+                entry.wanted_by.add(request_id)
+                self.reserved_bytes += reserve
+                self.max_item_bytes = max(self.max_item_bytes, reserve)
+                started.append(item)
+            if started:
+                self.in_flight += 1
+        if started:
+            self._pool.submit(self._run, started)
+        return started, refused
+
+    def _has_room_locked(self, new_entry: bool) -> bool:
+        if new_entry and len(self._entries) >= self.max_items:
+            return False
+        return self.staged_bytes + self.reserved_bytes < self.stage_bytes
+
+    def release(self, item: str, request_id: str) -> None:
+        """``request_id`` no longer wants ``item``; the entry dies with its last wanter."""
+        with self._lock:
+            entry = self._entries.get(item)
+            if entry is not None:
+                entry.wanted_by.discard(request_id)
+                if not entry.wanted_by:
+                    self._drop_locked(entry)
+
+    # -- lookups --------------------------------------------------------------------------
 
     def _run(self, batch: list[str]) -> None:
         started = time.perf_counter()
         try:
-            found = self._cache.get_many(batch, on_host=True)  # staged bytes cross processes
-        except Exception as exc:  # never let a lookup thread die silently
+            found: Mapping[str, Found | None] = self._lookup(batch)
+        except Exception as exc:  # a lookup thread must never die silently
+            self.counters.inc("lookup_errors")
             self._log.warning("stage", "ec_redis: lookup failed: %r", exc)
             found = {}
         if self._on_fetch is not None:
             self._on_fetch(time.perf_counter() - started)
+        problems = {item: self._problem(item, result) for item, result in found.items() if result}
         now = self._clock()
         with self._lock:
+            self.in_flight -= 1
             for item in batch:
                 entry = self._entries.get(item)
                 if entry is None or entry.state != FETCHING:
-                    continue  # dropped meanwhile (request finished, shutdown)
-                tensor = found.get(item)
-                entry.since = now
-                if tensor is None:
-                    entry.state = ABSENT
-                else:
-                    entry.state, entry.tensor = STAGED, tensor
-                    self._staged_bytes += entry.nbytes
+                    continue
+                self._settle_locked(entry, found.get(item), problems.get(item), now)
+            self.generation += 1
             self._changed.notify_all()
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until a lookup completes or ``timeout_s`` passes (releases the GIL, so the
-        lookup threads run at full speed instead of in the engine loop's GIL slices)."""
-        if timeout_s > 0:
-            with self._changed:
-                self._changed.wait(timeout_s)
+    def _problem(self, item: str, result: Found) -> str | None:
+        entry = self._entries.get(item)
+        if self._check is None or entry is None:
+            return None
+        return self._check(entry.modality, result)
 
-    def take(self, item: str) -> torch.Tensor | None:
-        """Hand over a staged tensor (for a load) and forget the entry."""
-        with self._lock:
-            entry = self._entries.get(item)
-            if entry is None or entry.state != STAGED:
-                return None
-            self._drop_locked(item)
-            return entry.tensor
+    def _settle_locked(
+        self, entry: Entry, result: Found | None, problem: str | None, now: float
+    ) -> None:
+        self.reserved_bytes -= entry.reserved
+        reserved, entry.reserved, entry.since = entry.reserved, 0, now
+        if not entry.wanted_by:  # every request that wanted it ended meanwhile
+            del self._entries[entry.item]
+            return
+        if result is None:
+            entry.state = ABSENT
+            return
+        if problem is not None:
+            entry.state = REFUSED
+            self.counters.inc("rejected_items")
+            self._log.warning(
+                "reject", "ec_redis: cached item %r refused (%s); encoding it", entry.item, problem
+            )
+            return
+        size = result.nbytes
+        bound = self.stage_bytes + max(self.max_item_bytes, size)
+        if size > reserved and self.staged_bytes + self.reserved_bytes + size > bound:
+            entry.state = REFUSED  # bigger than reserved and no room for the difference
+            self.counters.inc("stage_overflow")
+            return
+        entry.state, entry.found = STAGED, result
+        self.staged_bytes += size
+        self.max_item_bytes = max(self.max_item_bytes, size)
 
-    def drop(self, item: str) -> None:
-        with self._lock:
-            self._drop_locked(item)
+    def wait(self, generation: int, deadline: float) -> None:
+        """Sleep until a lookup returns after ``generation`` or ``deadline`` (a ``clock()``
+        time) passes; the GIL is released, so lookup threads run at full speed meanwhile."""
+        with self._changed:
+            while self.generation == generation and not self._closed:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return
+                self._changed.wait(remaining)
 
-    def release_request(self, request_id: str) -> None:
-        """A request finished: forget entries only it was waiting for."""
-        with self._lock:
-            for item, entry in list(self._entries.items()):
-                entry.requests.discard(request_id)
-                if not entry.requests and entry.state != FETCHING:
-                    self._drop_locked(item)
+    # -- loads ----------------------------------------------------------------------------
+
+    def take(self, item: str, request_id: str) -> None:
+        """``request_id`` loaded ``item``: it no longer wants it (the load holds the tensor)."""
+        self.release(item, request_id)
 
     def expire(self) -> None:
-        """Drop staged entries nobody loaded within the TTL (aborted or preempted requests)."""
-        cutoff = self._clock() - self._stage_ttl_s
+        """Drop entries nobody touched for ``idle_ttl_s`` (a request vLLM never finished)."""
+        cutoff = self._clock() - self._idle_ttl_s
         with self._lock:
-            for item, entry in list(self._entries.items()):
-                if entry.state != FETCHING and entry.since < cutoff:
-                    self._drop_locked(item)
+            for entry in list(self._entries.values()):
+                if entry.state != FETCHING and entry.touched < cutoff:
+                    self.counters.inc("expired_entries")
+                    self._drop_locked(entry)
 
-    def _drop_locked(self, item: str) -> None:
-        entry = self._entries.pop(item, None)
-        if entry is not None and entry.state == STAGED:
-            self._staged_bytes -= entry.nbytes
+    def _drop_locked(self, entry: Entry) -> None:
+        if entry.state == FETCHING:
+            entry.wanted_by.clear()  # settles (and disappears) when its lookup returns
+            return
+        if self._entries.get(entry.item) is entry:
+            del self._entries[entry.item]
+        if entry.found is not None:
+            self.staged_bytes -= entry.found.nbytes
+            entry.found = None
+
+    # -- introspection and lifecycle ------------------------------------------------------
+
+    def live_state(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "items": len(self._entries),
+                "staged_bytes": self.staged_bytes,
+                "reserved_bytes": self.reserved_bytes,
+                "stage_bytes": self.stage_bytes,
+                "max_item_bytes": self.max_item_bytes,
+                "lookups_in_flight": self.in_flight,
+            }
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._entries.clear()
-            self._staged_bytes = 0
+            self.staged_bytes = self.reserved_bytes = 0
+            self.generation += 1
+            self._changed.notify_all()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -34,11 +34,16 @@ COUNTERS: dict[str, str] = {
     "local_fallbacks": "Items encoded locally because the cache could not provide them",
     "unavailable_requests": "Requests failed as retryable because an item was unavailable",
     "waits": "Scheduler steps a request was held back waiting for an item",
+    "skipped_encodes": "Items a producer did not encode because they were already published",
+    "stage_full": "Items encoded locally because staging had no room (stage_bytes)",
+    "stage_overflow": "Fetched items dropped because they outgrew their staging reservation",
+    "internal_errors": "Unexpected errors inside connector hooks (each fell back to encoding)",
 }
 GAUGES: dict[str, str] = {
     "breaker_state": "Redis circuit breaker: 0 closed, 1 open, 2 half-open",
     "write_queue_depth": "Redis writes queued or in flight",
     "staged_bytes": "Bytes fetched and held for promised loads",
+    "reserved_bytes": "Bytes reserved for lookups in flight (counted against stage_bytes)",
 }
 HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
     "item_mb": (

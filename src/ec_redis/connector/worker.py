@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from ec_redis.cache import TieredCache
+from ec_redis.connector.ids import is_request_scoped
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata
 from ec_redis.connector.stats import Deltas
-from ec_redis.errors import TensorError
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 from ec_redis.tiers.base import tensor_nbytes
@@ -94,16 +94,16 @@ class WorkerSide:
         if not self._saves:
             return
         tensor = encoder_cache.get(mm_hash)
-        if tensor is None:
-            return
+        if tensor is None or is_request_scoped(mm_hash):
+            return  # a request-scoped id names no content: never published (see ids.py)
         started = time.perf_counter()
         try:
             # The cache keeps a reference (and copies device tensors to host on a side
             # stream ordered after the encoder), so vLLM freeing the entry is safe.
             self._cache.put(mm_hash, tensor)
-        except (TensorError, ValueError) as exc:
+        except Exception as exc:  # a failed save costs sharing, never the step
             self.counters.inc("save_errors")
-            self._log.warning("save", "ec_redis: cannot save %r: %s", mm_hash, exc)
+            self._log.warning("save", "ec_redis: cannot save %r: %r", mm_hash, exc)
             return
         self._published.add(mm_hash)
         nbytes = tensor_nbytes(tensor)

@@ -218,6 +218,35 @@ class RedisTier(Tier):
         self.breaker.success()
         return {item: bool(n) for item, n in zip(items, found, strict=True)}
 
+    def describe_many(
+        self, keys: Iterable[str]
+    ) -> dict[str, tuple[torch.dtype, tuple[int, ...]] | None]:
+        """dtype and shape of stored entries, from a bounded prefix of each head (GETRANGE):
+        no tensor bytes move. A missing, foreign or corrupt head is ``None``."""
+        items = list(dict.fromkeys(keys))
+        head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
+        out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(items)
+        if not items or not self._allow():
+            return out
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for head_key in head_keys:
+                pipe.getrange(head_key, 0, HEADER_SIZE + MAX_PRODUCER_BYTES - 1)
+            prefixes = pipe.execute()
+        except REDIS_ERRORS as exc:
+            self._failed("describe", exc)
+            return out
+        self.breaker.success()
+        for item, prefix in zip(items, prefixes, strict=True):
+            if not prefix:
+                continue
+            try:
+                header = read_header(prefix, max_blob_bytes=self.options.max_blob_bytes)
+            except BlobError:
+                continue  # a reader will meet it, count it and clean it up
+            out[item] = (header.dtype.torch_dtype, header.shape)
+        return out
+
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: str, tensor: torch.Tensor) -> bool:
