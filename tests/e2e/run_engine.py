@@ -12,6 +12,7 @@ singleton. The spec (all keys but ``model`` optional)::
       "llm_kwargs": {"enable_prefix_caching": false}, # overrides the CPU defaults below
       "sampling": {"max_tokens": 4, "prompt_logprobs": 1, "seed": 0},
       "patch": "tests.e2e.faults:flush_redis_after_first_hit",  # called before the engine
+      "count_encoder_passes": true,   # count images the vision tower encodes (after start-up)
       "rounds": [[request, ...], ...]                 # or "requests": [request, ...] (one round)
     }
 
@@ -110,6 +111,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], **llm_kwargs)
     timings["engine_init"] = time.perf_counter() - started - timings["import"]
     try:
+        if spec.get("count_encoder_passes"):
+            from tests.e2e import probes
+
+            llm.apply_model(probes.count_encoder_passes)
         tokenizer = llm.get_tokenizer()
         results: list[list[dict[str, Any]]] = []
         timings["rounds"] = []
@@ -120,12 +125,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             timings["rounds"].append(time.perf_counter() - t0)
             results.append([_summarize(out) for out in outputs])
         connector_stats = _connector_stats(llm)
+        encoder_passes = (
+            sum(llm.apply_model(probes.images_encoded))
+            if spec.get("count_encoder_passes")
+            else None
+        )
     finally:
         shutdown_errors = _shutdown(llm)
     timings["total"] = time.perf_counter() - started
     return {
         "rounds": results,
         "connector_stats": connector_stats,
+        "encoder_passes": encoder_passes,
         "shutdown_errors": shutdown_errors,
         "timings_s": timings,
     }
