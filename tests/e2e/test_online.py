@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import redis
 import requests
 
+from ec_redis.embedded import EmbeddedRedis
 from tests.e2e.harness import ApiServer, requires_vllm, stop_servers, wait_healthy
 from tests.e2e.tiny_model import image_data_url, make_image
 
@@ -31,10 +33,14 @@ EC_CONNECTOR = {
 REQUEST_TIMEOUT_S = 120
 
 
-@pytest.fixture
-def servers(redis_url: str, tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, ApiServer]]:
-    """The three servers, started together and always stopped (process groups killed)."""
-    extra = {"redis_url": redis_url}
+@pytest.fixture(scope="module")
+def servers(
+    redis_server: EmbeddedRedis, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ApiServer]]:
+    """The three servers, started together once for this module's tests (in file order) and
+    always stopped (process groups killed)."""
+    tmp_path = tmp_path_factory.mktemp("online")
+    extra = {"redis_url": redis_server.url}
     configs: dict[str, dict[str, Any] | None] = {
         "baseline": None,
         "encoder": {**EC_CONNECTOR, "ec_role": "ec_producer", "ec_connector_extra_config": extra},
@@ -107,12 +113,14 @@ def comparable(answer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def metric_total(server: ApiServer, name: str) -> float | None:
-    """The sum over all label sets of ``name`` on the server's /metrics; None if absent."""
+def metric_total(server: ApiServer, name: str, **labels: str) -> float | None:
+    """The sum over the label sets of ``name`` on the server's /metrics that carry every
+    given label; None if absent."""
     text = requests.get(f"{server.url}/metrics", timeout=10).text
     values = [
-        float(m.group(1))
-        for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+        float(m.group(2))
+        for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+        if all(f'{key}="{value}"' in (m.group(1) or "") for key, value in labels.items())
     ]
     return sum(values) if values else None
 
@@ -180,3 +188,40 @@ def test_encoder_then_pd_matches_baseline(
         assert written >= 2 * 16 * 128 * 2  # two 16x128 bf16 embeddings, plus headers
     finally:
         store.close()
+
+
+def test_a_request_aborted_while_it_waits_leaves_pd_healthy(
+    servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
+) -> None:
+    """A client gives up on PD while PD waits for an image no encoder will ever publish:
+    vLLM aborts the request mid-wait; PD keeps serving, correctly, and holds nothing."""
+    baseline, encoder, pd = servers["baseline"], servers["encoder"], servers["pd"]
+    fallbacks_before = metric_total(pd, "vllm:ec_redis_local_fallbacks_total") or 0
+    started = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        abandoned = pool.submit(
+            requests.post,
+            f"{pd.url}/v1/chat/completions",
+            json=chat_request(tiny_model, 5),
+            timeout=4,  # PD would wait up to 10 s for the image
+        )
+        held = wait_for(lambda: metric_total(pd, "vllm:num_requests_waiting") == 1, timeout_s=3)
+        assert held, f"PD never held the request\n{pd.log_tail()}"
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            abandoned.result()
+    # vLLM aborts the request when the client goes: it leaves PD's queue long before the
+    # 10 s wait would have ended (and is never encoded or served).
+    gone = wait_for(lambda: metric_total(pd, "vllm:num_requests_waiting") == 0, timeout_s=5)
+    assert gone and time.monotonic() - started < 8, f"not aborted mid-wait\n{pd.log_tail()}"
+    time.sleep(10)  # past the wait: an un-aborted request would now be encoded locally
+    assert (metric_total(pd, "vllm:ec_redis_local_fallbacks_total") or 0) == fallbacks_before
+    assert requests.get(f"{pd.url}/health", timeout=10).status_code == 200
+
+    hits_before = metric_total(pd, "vllm:ec_redis_hits_redis_total") or 0
+    body = chat_request(tiny_model, 6)
+    post_chat(encoder, body)
+    assert comparable(post_chat(pd, body)) == comparable(post_chat(baseline, body))
+    assert wait_for(lambda: (metric_total(pd, "vllm:ec_redis_hits_redis_total") or 0) > hits_before)
+    # Nothing of the aborted request (or the served one) is still staged or reserved.
+    assert wait_for(lambda: metric_total(pd, "vllm:ec_redis_staged_bytes") in (0, None))
+    assert metric_total(pd, "vllm:ec_redis_reserved_bytes") in (0, None)
