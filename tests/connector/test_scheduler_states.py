@@ -307,7 +307,7 @@ def test_request_scoped_ids_are_never_looked_up() -> None:
 
 
 def test_request_records_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ec_redis.connector.scheduler as module
+    import ec_redis.connector.gate as module
 
     monkeypatch.setattr(module, "MAX_REQUESTS", 3)
     side, cache = make_side(consumer_wait_s=60)

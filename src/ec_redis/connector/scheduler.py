@@ -18,7 +18,7 @@ State, and what it dies with:
   loads they became; reset by ``build_connector_meta``. A "yes" is a promise the worker must
   keep (vLLM crashes the step otherwise), so it is given only for bytes already in this
   process, checked for dtype, width and the asking request's rows.
-- **per request**: when it was first seen and which staging entries it wants; gone in
+- **per request** (``gate.py``): when it was first seen and which staging entries it wants; gone in
   ``request_finished``. Nothing here mirrors vLLM's own encoder cache: which items a request
   still needs is derived from its status and token count at each call, so a preemption
   (tokens back to 0) simply makes its items needed again.
@@ -32,36 +32,22 @@ spin while lookups run).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-from vllm.v1.request import RequestStatus
 
 from ec_redis.cache import TieredCache
 from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
-from ec_redis.connector.ids import is_request_scoped
+from ec_redis.connector.gate import RequestGate
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
-from ec_redis.connector.staging import ABSENT, FETCHING, STAGED, Found, Stager
+from ec_redis.connector.staging import STAGED, Found, Stager
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 
 PUSH_REPORT_FRESH_S = 10.0
 MAX_OBSERVATIONS = 1024
-MAX_REQUESTS = 65536  # request records; vLLM finishes every request, this is a backstop
 HOUSEKEEPING_S = 1.0
-Needed = list[tuple[int, str, str]]  # (index into mm_features, identifier, modality)
-
-
-@dataclass(eq=False)
-class RequestRecord:
-    first_seen: float
-    wanted: set[str] = field(default_factory=set)  # staging entries it registered in
-    held_at: int = -1  # stager generation when it was last held back
-    next_look: float = math.inf  # when a held request must be looked at again anyway
 
 
 class SchedulerSide:
@@ -80,8 +66,6 @@ class SchedulerSide:
         self._check = check
         self._is_producer = is_producer
         self._is_consumer = is_consumer
-        # A pure consumer waits for items its encoder instance is still writing.
-        self._wait_s = options.consumer_wait_s if is_consumer and not is_producer else 0.0
         self._clock = clock
         self.counters = Counters()
         self._fetch_seconds: list[float] = []
@@ -93,14 +77,20 @@ class SchedulerSide:
             clock=clock,
             on_fetch=self._observe_fetch,
         )
-        self._records: dict[str, RequestRecord] = {}
-        self._unavailable: set[str] = set()
+        self._gate = RequestGate(
+            self._stager,
+            check,
+            options,
+            is_producer=is_producer,
+            is_consumer=is_consumer,
+            counters=self.counters,
+            clock=clock,
+        )
         # Per step (reset by build_connector_meta).
         self._current: Any = None  # the request ensure_cache_available saw last
         self._answers: dict[str, Found] = {}
         self._loads: dict[str, LoadItem] = {}
         self._step_start: float | None = None
-        self._held_this_step = False
         # Worker reports (producers).
         self._pending_writes = 0
         self._pending_reported_at = 0.0
@@ -134,138 +124,10 @@ class SchedulerSide:
         if self._step_start is None:
             self._step_start = self._clock()
         try:
-            return self._ensure(request, num_computed_tokens)
+            return self._gate.ready(request, num_computed_tokens)
         except Exception as exc:
             self._internal_error("ensure_cache_available", exc)
             return True  # let vLLM encode whatever we cannot vouch for
-
-    def _ensure(self, request: Any, num_computed_tokens: int) -> bool:
-        needed = self._needed(request, num_computed_tokens)
-        if not needed:
-            return True
-        request_id = request.request_id
-        now = self._clock()
-        record = self._records.get(request_id)
-        if record is None:
-            record = self._new_record(request_id, now)
-        elif record.held_at == self._stager.generation and now < record.next_look:
-            return self._hold()  # nothing it waits for can have changed since
-        generation = self._stager.generation  # read before looking at any entry
-        if self._is_consumer:
-            ready, next_look = self._evaluate_loads(request, record, needed, now)
-        else:
-            ready, next_look = self._evaluate_published(request_id, record, needed, now)
-        if ready:
-            record.held_at = -1
-            return True
-        record.held_at, record.next_look = generation, next_look
-        return self._hold()
-
-    def _hold(self) -> bool:
-        self.counters.inc("waits")
-        self._held_this_step = True
-        return False
-
-    def _needed(self, request: Any, num_computed_tokens: int) -> Needed:
-        """Items the request still needs and vLLM's encoder cache does not hold for it:
-        not consumed yet, and, for a running request, not started (an item a running
-        request is part-way through sits in vLLM's encoder cache until it is consumed)."""
-        running = request.status == RequestStatus.RUNNING
-        out: Needed = []
-        for index, feature in enumerate(request.mm_features):
-            position = feature.mm_position
-            if position.offset + position.length <= num_computed_tokens:
-                continue
-            if running and position.offset < num_computed_tokens:
-                continue
-            if is_request_scoped(feature.identifier):
-                continue  # names a request, not content: never cached (see ids.py)
-            out.append((index, feature.identifier, feature.modality))
-        return out
-
-    def _new_record(self, request_id: str, now: float) -> RequestRecord:
-        if len(self._records) >= MAX_REQUESTS:  # vLLM lost track of one: drop the oldest
-            oldest = next(iter(self._records))
-            self.counters.inc("dropped_request_records")
-            self._forget(oldest)
-        record = self._records[request_id] = RequestRecord(first_seen=now)
-        return record
-
-    def _evaluate_loads(
-        self, request: Any, record: RequestRecord, needed: Needed, now: float
-    ) -> tuple[bool, float]:
-        """Consumers: ready once every needed item is staged, refused, or given up on."""
-        request_id = request.request_id
-        ready, next_look = True, math.inf
-        look: list[tuple[str, str, int]] = []
-        for index, item, modality in needed:
-            entry = self._stager.get(item)
-            if entry is None:
-                rows = request.get_num_encoder_embeds(index)
-                look.append((item, modality, self._check.reserve(modality, rows)))
-                continue
-            if request_id not in entry.wanted_by:
-                self._stager.want(entry, request_id)
-                record.wanted.add(item)
-            if entry.state == FETCHING:
-                ready = False
-            elif entry.state == ABSENT:
-                deadline = record.first_seen + self._wait_s
-                if now >= deadline:
-                    if self._fail_missing(request_id):
-                        ready = False  # held until vLLM fails it
-                    continue  # encode it locally
-                ready = False
-                due = entry.since + self._options.recheck_s
-                if now >= due:
-                    rows = request.get_num_encoder_embeds(index)
-                    look.append((item, modality, self._check.reserve(modality, rows)))
-                next_look = min(next_look, due, deadline)
-            # STAGED and REFUSED decide nothing more here (has_cache_item checks rows)
-        if look and self._start(look, request_id, record):
-            ready = False
-        return ready, next_look
-
-    def _evaluate_published(
-        self, request_id: str, record: RequestRecord, needed: Needed, now: float
-    ) -> tuple[bool, float]:
-        """Pure producers: hold a request at most ``producer_check_wait_s`` while its
-        "already published?" checks run; after that, whatever is not known is encoded."""
-        deadline = record.first_seen + self._options.producer_check_wait_s
-        if now >= deadline:
-            return True, math.inf  # too late for a check to spare this request's encoder
-        look: list[tuple[str, str, int]] = []
-        in_flight = False
-        for _, item, modality in needed:
-            entry = self._stager.get(item)
-            if entry is None or (
-                entry.state == ABSENT and now >= entry.since + self._options.recheck_s
-            ):
-                look.append((item, modality, 0))
-                continue
-            if request_id not in entry.wanted_by:
-                self._stager.want(entry, request_id)
-                record.wanted.add(item)
-            in_flight |= entry.state == FETCHING
-        if look and self._start(look, request_id, record):
-            in_flight = True
-        return (False, deadline) if in_flight else (True, math.inf)
-
-    def _start(
-        self, look: list[tuple[str, str, int]], request_id: str, record: RequestRecord
-    ) -> bool:
-        _, refused = self._stager.fetch(look, request_id)
-        record.wanted.update(item for item, _, _ in look if item not in refused)
-        return len(refused) < len(look)  # something is on its way (started or joined)
-
-    def _fail_missing(self, request_id: str) -> bool:
-        """on_missing="fail" (pure consumers): fail the request instead of encoding."""
-        if self._options.on_missing != "fail" or self._is_producer:
-            return False
-        if request_id not in self._unavailable:
-            self._unavailable.add(request_id)
-            self.counters.inc("unavailable_requests")
-        return True
 
     def has_cache_item(self, identifier: str) -> bool:
         try:
@@ -319,7 +181,7 @@ class SchedulerSide:
                 self._loads[item] = LoadItem(item, found.rows, found.tensor)  # the promise
                 if request.get_num_encoder_embeds(index) != found.rows:
                     self.counters.inc("promise_mismatches")  # unreachable by construction
-            self._let_go(request.request_id, item)
+            self._gate.let_go(request.request_id, item)
         except Exception as exc:
             self._internal_error("update_state_after_alloc", exc)
 
@@ -332,7 +194,7 @@ class SchedulerSide:
             self._housekeeping()
         except Exception as exc:
             self._internal_error("build_connector_meta", exc)
-        self._step_start, self._held_this_step = None, False
+        self._step_start, self._gate.held_this_step = None, False
         return meta
 
     @staticmethod
@@ -343,7 +205,7 @@ class SchedulerSide:
         """One bounded wait on a step that scheduled nothing while requests wait for us: the
         engine would otherwise spin and starve the lookup threads of the GIL."""
         wait_s = self._options.lookup_wait_s
-        if not self._held_this_step or wait_s <= 0 or self._stager.in_flight == 0:
+        if not self._gate.held_this_step or wait_s <= 0 or self._stager.in_flight == 0:
             return
         start = self._step_start if self._step_start is not None else self._clock()
         self._stager.wait(self._stager.generation, start + wait_s)
@@ -379,36 +241,22 @@ class SchedulerSide:
         return self._pending_writes > 0 and fresh
 
     def take_unavailable_requests(self) -> set[str]:
-        failed, self._unavailable = self._unavailable, set()
-        return failed
+        return self._gate.take_unavailable()
 
     def update_state_after_free(self, request: Any, index: int) -> None:
         try:
-            self._let_go(request.request_id, request.mm_features[index].identifier)
+            self._gate.let_go(request.request_id, request.mm_features[index].identifier)
         except Exception as exc:
             self._internal_error("update_state_after_free", exc)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         try:
-            self._forget(request.request_id)
+            self._gate.forget(request.request_id)
             if self._current is request:
                 self._current = None
         except Exception as exc:
             self._internal_error("request_finished", exc)
         return False, None
-
-    def _let_go(self, request_id: str, item: str) -> None:
-        record = self._records.get(request_id)
-        if record is not None:
-            record.wanted.discard(item)
-        self._stager.release(item, request_id)
-
-    def _forget(self, request_id: str) -> None:
-        record = self._records.pop(request_id, None)
-        self._unavailable.discard(request_id)
-        if record is not None:
-            for item in record.wanted:
-                self._stager.release(item, request_id)
 
     # -- introspection -------------------------------------------------------------------------
 
@@ -422,12 +270,7 @@ class SchedulerSide:
     def live_state(self) -> dict[str, int]:
         """Sizes of every table this half keeps (tests assert they drain)."""
         out = self._stager.live_state()
-        out.update(
-            requests=len(self._records),
-            unavailable=len(self._unavailable),
-            answers=len(self._answers),
-            loads=len(self._loads),
-        )
+        out.update(self._gate.sizes(), answers=len(self._answers), loads=len(self._loads))
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -447,5 +290,4 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._stager.close()
-        self._records.clear()
-        self._unavailable.clear()
+        self._gate.clear()
