@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from ec_redis import fingerprint
+from ec_redis.cli.main import main as cli_main
 from ec_redis.config import CacheConfig
 from ec_redis.errors import ConfigError
 from ec_redis.fingerprint import SAMPLE_BLOCK_BYTES, sample_offsets, weights_fingerprint
@@ -343,3 +344,33 @@ def test_model_fingerprint_wins_and_reads_nothing(
 @pytest.mark.vllm
 def test_model_identity_resolves_a_hub_id(hub_cache: Path) -> None:
     assert identity_for("org/model", "v2").weights == "hf:" + "f" * 40
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+def test_cli_fingerprint_prints_the_value_or_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = checkpoint(tmp_path / "ckpt")
+    assert cli_main(["fingerprint", str(directory)]) == 0
+    assert capsys.readouterr().out.strip() == weights_fingerprint(str(directory))
+    assert cli_main(["fingerprint", str(tmp_path / "missing"), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["weights"] == ""
+
+
+def test_cli_bench_fingerprint_times_a_generated_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "gen"
+    argv = ["bench-fingerprint", "--size", "8MiB", "--shards", "2", "--repeat", "2"]
+    assert cli_main([*argv, "--dir", str(target), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["files"] == 5 and report["total_bytes"] >= 8 * 1024**2
+    assert report["fingerprint"].startswith("files:")
+    assert len(report["cold"]["samples_s"]) == 2
+    assert not target.exists()  # removed without --keep
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert cli_main([*argv, "--dir", str(tmp_path / "full")]) == 2  # never writes into it
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
