@@ -124,6 +124,26 @@ def test_purge_asks_first_then_unlinks_heads_and_chunks(
     assert client.keys("*") == [b"other-app:key"]
 
 
+def test_stats_tells_weights_apart_and_purge_removes_the_old_ones(
+    capsys: pytest.CaptureFixture[str], redis_url: str
+) -> None:
+    # One model name, two checkpoints (e.g. before and after a rollout into the same path).
+    for weights in ("files:old", "files:new"):
+        config = {"redis_url": redis_url, "model_name": "/models/current"}
+        with TieredCache.from_config({**config, "model_fingerprint": weights}) as cache:
+            cache.put("img", embedding(8, 16))
+            assert cache.flush(10)
+    _, stats, _ = cli(capsys, "stats", "--redis-url", redis_url, "--json")
+    models = {g["model"]: g["fingerprint"] for g in stats["groups"]}
+    assert set(models) == {"/models/current@files:old", "/models/current@files:new"}
+    old = models["/models/current@files:old"]
+    argv = ["purge", "--redis-url", redis_url, "--namespace", "ecr", "--fingerprint", old]
+    code, result, _ = cli(capsys, *argv, "--yes", "--json")
+    assert code == EXIT_OK and result["entries"] == 1
+    _, stats, _ = cli(capsys, "stats", "--redis-url", redis_url, "--json")
+    assert [g["model"] for g in stats["groups"]] == ["/models/current@files:new"]
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -120,6 +120,9 @@ def test_unknown_key_lists_the_valid_keys() -> None:
         ("compression_min_ratio", 0.5),
         ("breaker_max_cooldown_s", 0.5),
         ("model_name", None),
+        ("model_fingerprint", "two words"),
+        ("model_fingerprint", "x" * 129),
+        ("model_fingerprint", 7),
     ],
 )
 def test_bad_value_names_the_key_and_an_example(key: str, value: object) -> None:

@@ -51,8 +51,9 @@ def test_same_identity_gives_the_same_key() -> None:
         ModelIdentity("Qwen/Qwen2.5-VL-7B-Instruct", "main", "float16", 3584),
         ModelIdentity("Qwen/Qwen2.5-VL-7B-Instruct", "main", "bfloat16", 2048),
         ModelIdentity("Qwen/Qwen2.5-VL-7B-Instruct", "main", "bfloat16"),
+        ModelIdentity("Qwen/Qwen2.5-VL-7B-Instruct", "main", "bfloat16", 3584, "files:0a1b"),
     ],
-    ids=["name", "revision", "dtype", "width", "no-width"],
+    ids=["name", "revision", "dtype", "width", "no-width", "weights"],
 )
 def test_any_identity_change_gives_another_key(other: ModelIdentity) -> None:
     assert builder(other).head("item-1") != builder(QWEN).head("item-1")
@@ -71,6 +72,8 @@ def test_identity_fields_cannot_be_shifted_into_each_other() -> None:
     second = ModelIdentity("model", "main")
     assert first.fingerprint() != second.fingerprint()
     assert ModelIdentity("m", "r").fingerprint("x") != ModelIdentity("m", "rx").fingerprint()
+    # nor can the weights be shifted into the tenant salt
+    assert ModelIdentity("m", weights="w").fingerprint() != ModelIdentity("m").fingerprint("w")
 
 
 def test_namespace_and_format_version_prefix_the_key() -> None:

@@ -43,7 +43,11 @@ class TieredCache:
     ) -> None:
         self.config = config
         self.identity = identity or ModelIdentity(
-            config.model_name, config.model_revision, config.model_dtype, config.embed_width
+            config.model_name,
+            config.model_revision,
+            config.model_dtype,
+            config.embed_width,
+            config.model_fingerprint,
         )
         self.device = _resolve_device(config.device)
         pool = PinnedPool(config.cpu_cache_bytes + config.write_queue_bytes)
@@ -333,5 +337,5 @@ def _tier_options(config: CacheConfig, identity: ModelIdentity) -> RedisTierOpti
         compression_min_ratio=config.compression_min_ratio,
         byte_shuffle=config.byte_shuffle,
         producer_id=config.producer_id or f"{socket.gethostname()}:{os.getpid()}",
-        model=identity.name,
+        model=identity.label(),
     )

@@ -23,6 +23,7 @@ from ec_redis.units import parse_bytes
 COMPRESSIONS = ("none", "lz4", "auto")
 _SECRET_KEYS = ("sentinel_password", "tenant_salt")
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _MiB = 1024**2
 _GiB = 1024**3
 
@@ -80,6 +81,13 @@ def _name(value: object) -> str:
     text = _text(value)
     if not _NAME_RE.fullmatch(text):
         raise ValueError("use 1-64 characters from A-Z a-z 0-9 . _ -")
+    return text
+
+
+def _fingerprint(value: object) -> str:
+    text = _text(value)
+    if text and not _FINGERPRINT_RE.fullmatch(text):
+        raise ValueError("use 1-128 characters from A-Z a-z 0-9 . _ : - (empty: computed)")
     return text
 
 
@@ -182,6 +190,14 @@ class CacheConfig:
     embed_width: int = field(
         default=0,
         metadata=_key(_int_at_least(0), "3584", "Encoder output width (0: unknown), part of keys."),
+    )
+    model_fingerprint: str = field(
+        default="",
+        metadata=_key(
+            _fingerprint,
+            '"my-finetune-2026-11-30"',
+            "Pins the weights identity in every key (empty: computed from the checkpoint).",
+        ),
     )
     tenant_salt: str = field(
         default="",

@@ -4,10 +4,14 @@
 ``<head>:c{i}``. The braces make the whole fingerprint+item the Redis Cluster hash tag, so an
 entry's head and chunks share one slot while different entries spread over every master.
 
-The fingerprint hashes the model identity (name, revision, dtype, width) and the tenant salt,
-so two models or tenants sharing one Redis can never read each other's entries even when a
-client picks the same item id. Item ids are kept whole: characters outside ``[A-Za-z0-9._-]``
-are percent-escaped, and very long ids are replaced by ``%h`` + their full SHA-256.
+The fingerprint hashes the model identity (name, revision, dtype, width and, when known, the
+weights fingerprint of ``ec_redis.fingerprint`` or the ``model_fingerprint`` setting) and the
+tenant salt, so two models, two checkpoints under one name, or two tenants sharing one Redis
+can never read each other's entries even when a client picks the same item id. An identity
+without weights hashes exactly as before that field existed, so its keys did not move.
+
+Item ids are kept whole: characters outside ``[A-Za-z0-9._-]`` are percent-escaped, and very
+long ids are replaced by ``%h`` + their full SHA-256.
 """
 
 from __future__ import annotations
@@ -26,20 +30,26 @@ _SAFE = re.compile(r"[A-Za-z0-9._-]")
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What makes an encoder output reusable: the same model, revision, dtype and width."""
+    """What makes an encoder output reusable: the same model, revision, dtype, width and
+    weights (``weights``: a content fingerprint of the checkpoint; empty when unknown)."""
 
     name: str
     revision: str = ""
     dtype: str = ""
     width: int = 0
+    weights: str = ""
 
     def fingerprint(self, tenant_salt: str = "") -> str:
         """A 128-bit hex digest of the identity and the tenant salt."""
-        canonical = json.dumps(
-            [self.name, self.revision, self.dtype, self.width, tenant_salt],
-            separators=(",", ":"),
-        )
+        fields: list[object] = [self.name, self.revision, self.dtype, self.width, tenant_salt]
+        if self.weights:  # appended only when known: identities without it keep their keys
+            fields.append(self.weights)
+        canonical = json.dumps(fields, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+    def label(self) -> str:
+        """How blob headers name the model for operators' tools: ``name`` or ``name@weights``."""
+        return f"{self.name}@{self.weights}" if self.weights else self.name
 
 
 def escape_item(item: str) -> str:

@@ -256,6 +256,36 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def fingerprint(args: argparse.Namespace) -> int:
+    from ec_redis.fingerprint import weights_fingerprint
+
+    _config(args)
+    weights = weights_fingerprint(args.model, args.revision)
+    data = {"model": args.model, "revision": args.revision, "weights": weights}
+    _print(args, data, weights or "(none: see the warning; pin one with model_fingerprint)")
+    return 0 if weights else 1
+
+
+def bench_fingerprint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ec_redis.bench import fingerprint as timing
+
+    _config(args)
+    with contextlib.ExitStack() as stack:
+        if args.checkpoint:
+            checkpoint = Path(args.checkpoint)
+        else:
+            size = parse_bytes(args.size)
+            _err(f"ec-redis: writing a sparse {format_bytes(size)} checkpoint ...")
+            checkpoint = stack.enter_context(
+                timing.generated(size, args.shards, args.dir, args.keep)
+            )
+        report = timing.run(checkpoint, args.repeat, args.drop_caches)
+    _print(args, report.as_dict(), timing.render(report))
+    return 0
+
+
 def _bench_hooks(args: argparse.Namespace, quick: bool, runs: int) -> list[Any]:
     from ec_redis.bench.workload import ITEMS, QUICK_ITEMS
 

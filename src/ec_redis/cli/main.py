@@ -23,6 +23,7 @@ EPILOG = """examples:
   ec-redis inspect 'ecr:v1:{3f2a....e1.0c1d...}' --redis-url redis://cache:6379/0 --verify
   ec-redis purge  --redis-url redis://cache:6379/0 --namespace ecr --yes
   ec-redis bench  --quick --compare --plot docs/throughput.png
+  ec-redis fingerprint /models/current            # the weights part of the model identity
 Any configuration key can be given as --set KEY=VALUE (e.g. --set tls_ca_file=/ca.crt).
 exit codes: 0 ok, 1 problem found, 2 bad usage/config, 3 Redis unreachable or refusing us
 """
@@ -104,6 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: what the scheduler hooks add to one step with 1/64/256 requests waiting",
     )
     hooks.add_argument("--steps", type=int, default=200, help="--scheduler: steps per size")
+    fp = command("fingerprint", "the weights fingerprint a model path or hub id gets", "none")
+    fp.add_argument("model", help="a checkpoint folder or file, or a hub id (as given to vLLM)")
+    fp.add_argument("--revision", help="the hub revision (default: main)")
+    fp_bench = command(
+        "bench-fingerprint", "start-up cost of the weights fingerprint, cold and memoised", "none"
+    )
+    fp_bench.add_argument("--size", default="16GiB", help="generated checkpoint size (16GiB)")
+    fp_bench.add_argument("--shards", type=int, default=4, help="safetensors files (default 4)")
+    fp_bench.add_argument("--dir", help="generate into this new or empty folder (default: tmp)")
+    fp_bench.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
+    fp_bench.add_argument("--checkpoint", help="time this existing checkpoint instead")
+    fp_bench.add_argument("--repeat", type=int, default=5, help="runs per case (default 5)")
+    fp_bench.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="also drop the whole host's page cache before each cold run (root only)",
+    )
     return parser
 
 

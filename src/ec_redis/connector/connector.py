@@ -30,6 +30,7 @@ from ec_redis.connector.stats import (
     cache_counters,
 )
 from ec_redis.connector.worker import WorkerSide
+from ec_redis.fingerprint import weights_fingerprint
 from ec_redis.keys import ModelIdentity
 from ec_redis.logutil import logger
 
@@ -194,13 +195,21 @@ class ECRedisConnector(ECConnectorBase):
 
 
 def model_identity(vllm_config: Any, config: Any) -> ModelIdentity:
-    """The model identity every key carries; explicit config values override vLLM's."""
+    """The model identity every key carries; explicit config values override vLLM's. The
+    weights part comes from the checkpoint vLLM loads unless ``model_fingerprint`` pins it."""
     model = vllm_config.model_config
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
     return ModelIdentity(
         name=config.model_name or str(model.model),
         revision=config.model_revision or str(model.revision or ""),
         dtype=config.model_dtype or str(_model_dtype(vllm_config)).removeprefix("torch."),
         width=config.embed_width or int(model.get_hidden_size()),
+        weights=config.model_fingerprint
+        or weights_fingerprint(
+            str(model.model),
+            str(model.revision) if model.revision else None,
+            hub_cache_dirs=[download_dir] if isinstance(download_dir, str) else [],
+        ),
     )
 
 
