@@ -362,6 +362,22 @@ class ConnectorOptions:
         default=2 * _GiB,
         metadata=_key(_size, '"2GiB"', "Bytes of fetched items held until their step loads them."),
     )
+    stage_transport: str = field(
+        default="auto",
+        metadata=_key(
+            _choice("auto", "inline", "file"),
+            '"auto"',
+            "How staged bytes reach the workers: in the step metadata (inline), or as files in "
+            "stage_dir that every rank reads (file); auto: file when vLLM's workers are other "
+            "processes on this host.",
+        ),
+    )
+    stage_dir: str = field(
+        default="",
+        metadata=_key(
+            _text, '"/dev/shm"', "Where staged files go (a tmpfs); empty: /dev/shm or the tmp dir."
+        ),
+    )
     lookup_threads: int = field(
         default=2,
         metadata=_key(_int_at_least(1), "2", "Scheduler-side threads fetching from Redis."),

@@ -19,7 +19,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ec_redis.config import parse_extra_config
-from ec_redis.connector import shared
+from ec_redis.connector import shared, transport
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.ids import check_item_ids
 from ec_redis.connector.scheduler import SchedulerSide
@@ -60,6 +60,7 @@ class ECRedisConnector(ECConnectorBase):
                 ),
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
+                transport=transport.choose(vllm_config, options.stage_transport, options.stage_dir),
             )
         else:
             self._worker = WorkerSide(
@@ -99,7 +100,9 @@ class ECRedisConnector(ECConnectorBase):
         return None, None
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        return self._worker.worker_meta() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        return self._worker.worker_meta(self._connector_metadata)
 
     # -- scheduler side ---------------------------------------------------------------------
 

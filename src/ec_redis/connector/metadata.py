@@ -1,8 +1,9 @@
 """What the scheduler half sends the worker half each step, and what comes back.
 
-Both are small and picklable: vLLM ships the step metadata to every worker process. A load
-carries the staged host tensor itself, fetched and validated by the scheduler half before it
-promised the item, so the worker never has a network call or a failure mode left.
+Both are small and picklable: vLLM pickles the step metadata to every worker process each
+step. A load names an item the scheduler half already fetched and validated before it
+promised it: its bytes travel inline (workers in the scheduler's process) or as a host-local
+file every rank reads (``transport.py``), never over the network again.
 """
 
 from __future__ import annotations
@@ -22,21 +23,29 @@ class LoadItem:
 
     mm_hash: str
     num_embeds: int
-    tensor: torch.Tensor
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    tensor: torch.Tensor | None = None  # inline transport
+    path: str | None = None  # file transport
 
 
 @dataclass
 class ECRedisMetadata(ECConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
+    step: int = -1  # the scheduler half's step number (acknowledged by the workers)
 
 
 @dataclass
 class ECRedisWorkerMetadata(ECConnectorWorkerMetadata):
-    """Worker -> scheduler: writes still queued for Redis (summed over ranks)."""
+    """Worker -> scheduler: writes still queued for Redis (summed over ranks) and the last
+    step whose loads the workers ran (the scheduler may then drop those loads' files)."""
 
     pending_writes: int = 0
+    loaded_step: int = -1
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         if not isinstance(other, ECRedisWorkerMetadata):
             return self
-        return ECRedisWorkerMetadata(self.pending_writes + other.pending_writes)
+        return ECRedisWorkerMetadata(
+            self.pending_writes + other.pending_writes, max(self.loaded_step, other.loaded_step)
+        )

@@ -42,6 +42,7 @@ from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.gate import RequestGate
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
 from ec_redis.connector.staging import STAGED, Found, Stager
+from ec_redis.connector.transport import InlineTransport
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 
@@ -59,9 +60,11 @@ class SchedulerSide:
         *,
         is_producer: bool,
         is_consumer: bool,
+        transport: InlineTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cache = cache
+        self._transport = transport or InlineTransport()
         self._options = options
         self._check = check
         self._is_producer = is_producer
@@ -74,6 +77,8 @@ class SchedulerSide:
             threads=options.lookup_threads,
             stage_bytes=options.stage_bytes,
             check=check.problem,
+            keep=self._transport.stage,
+            discard=self._transport.discard,
             clock=clock,
             on_fetch=self._observe_fetch,
         )
@@ -91,6 +96,7 @@ class SchedulerSide:
         self._answers: dict[str, Found] = {}
         self._loads: dict[str, LoadItem] = {}
         self._step_start: float | None = None
+        self._step = 0  # numbers the metadata; workers acknowledge the steps they ran
         # Worker reports (producers).
         self._pending_writes = 0
         self._pending_reported_at = 0.0
@@ -146,7 +152,7 @@ class SchedulerSide:
     def _answer(self, identifier: str) -> Found | None:
         entry = self._stager.get(identifier)
         found = entry.found if entry is not None and entry.state == STAGED else None
-        if found is None or (self._is_consumer and found.tensor is None):
+        if found is None or (self._is_consumer and not found.loadable):
             return None
         rows = self._expected_rows(identifier)
         if rows is None:
@@ -177,8 +183,8 @@ class SchedulerSide:
             found = self._answers.get(item)
             if found is None:
                 return  # encoded locally
-            if self._is_consumer and found.tensor is not None:
-                self._loads[item] = LoadItem(item, found.rows, found.tensor)  # the promise
+            if self._is_consumer and found.loadable:
+                self._loads[item] = self._transport.load(item, found, self._step)  # the promise
                 if request.get_num_encoder_embeds(index) != found.rows:
                     self.counters.inc("promise_mismatches")  # unreachable by construction
             self._gate.let_go(request.request_id, item)
@@ -186,8 +192,9 @@ class SchedulerSide:
             self._internal_error("update_state_after_alloc", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECRedisMetadata:
-        meta = ECRedisMetadata(loads=list(self._loads.values()))
+        meta = ECRedisMetadata(loads=list(self._loads.values()), step=self._step)
         self._loads, self._answers, self._current = {}, {}, None
+        self._step += 1
         try:
             if self._idle(scheduler_output):
                 self._wait_for_lookups()
@@ -216,6 +223,7 @@ class SchedulerSide:
             return
         self._next_housekeeping = now + HOUSEKEEPING_S
         self._stager.expire()
+        self._transport.sweep()
 
     # -- after the step ----------------------------------------------------------------------
 
@@ -224,6 +232,8 @@ class SchedulerSide:
         if isinstance(meta, ECRedisWorkerMetadata):
             self._pending_writes = meta.pending_writes
             self._pending_reported_at = self._clock()
+            if meta.loaded_step >= 0:
+                self._transport.step_done(meta.loaded_step)  # every rank ran those loads
 
     def has_pending_push_work(self) -> bool:
         """Keep a producer-only engine stepping while its Redis writes drain.
@@ -291,3 +301,4 @@ class SchedulerSide:
     def shutdown(self) -> None:
         self._stager.close()
         self._gate.clear()
+        self._transport.close()

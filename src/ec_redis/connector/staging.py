@@ -39,21 +39,33 @@ class Found:
     dtype: torch.dtype
     shape: tuple[int, ...]
     tensor: torch.Tensor | None = None
+    path: str | None = None  # the bytes moved to a host-local file (transport.py)
 
     @property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 0
 
     @property
+    def loadable(self) -> bool:
+        return self.tensor is not None or self.path is not None
+
+    @property
     def nbytes(self) -> int:
-        if self.tensor is None:
+        """Bytes this process holds for it (in memory or in its staged file)."""
+        if not self.loadable:
             return 0
-        return self.tensor.numel() * self.tensor.element_size()
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * self.dtype.itemsize
 
 
 Lookup = Callable[[list[str]], Mapping[str, Found | None]]
 # Entry-level validation (dtype, width) of what a lookup found: a problem, or None.
 Check = Callable[[str, Found], str | None]
+# Where staged bytes live (transport.py): keep moves a found tensor there, discard frees it.
+Keep = Callable[[Found], Found]
+Discard = Callable[[Found], None]
 
 
 @dataclass(eq=False)
@@ -80,11 +92,15 @@ class Stager:
         max_items: int = 16384,
         idle_ttl_s: float = 300.0,
         check: Check | None = None,
+        keep: Keep | None = None,
+        discard: Discard | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_fetch: Callable[[float], None] | None = None,
     ) -> None:
         self._lookup = lookup
         self._check = check
+        self._keep = keep
+        self._discard = discard
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ec_redis-stage")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -182,16 +198,43 @@ class Stager:
         if self._on_fetch is not None:
             self._on_fetch(time.perf_counter() - started)
         problems = {item: self._problem(item, result) for item, result in found.items() if result}
+        kept = {
+            item: self._kept(result)
+            for item, result in found.items()
+            if result is not None and problems.get(item) is None
+        }
         now = self._clock()
+        unused: list[Found] = []
         with self._lock:
             self.in_flight -= 1
             for item in batch:
                 entry = self._entries.get(item)
-                if entry is None or entry.state != FETCHING:
-                    continue
-                self._settle_locked(entry, found.get(item), problems.get(item), now)
+                result = kept.get(item, found.get(item))
+                settled = (
+                    entry is not None
+                    and entry.state == FETCHING
+                    and self._settle_locked(entry, result, problems.get(item), now)
+                )
+                if not settled and item in kept:
+                    unused.append(kept[item])
             self.generation += 1
             self._changed.notify_all()
+        for result in unused:
+            self._free(result)
+
+    def _kept(self, result: Found) -> Found:
+        if self._keep is None:
+            return result
+        try:
+            return self._keep(result)
+        except Exception as exc:  # where the bytes live is an optimisation: keep them here
+            self.counters.inc("lookup_errors")
+            self._log.warning("keep", "ec_redis: cannot move a staged item: %r", exc)
+            return result
+
+    def _free(self, result: Found) -> None:
+        if self._discard is not None:
+            self._discard(result)
 
     def _problem(self, item: str, result: Found) -> str | None:
         entry = self._entries.get(item)
@@ -201,31 +244,33 @@ class Stager:
 
     def _settle_locked(
         self, entry: Entry, result: Found | None, problem: str | None, now: float
-    ) -> None:
+    ) -> bool:
+        """Move a FETCHING entry to its next state; True if it now holds ``result``."""
         self.reserved_bytes -= entry.reserved
         reserved, entry.reserved, entry.since = entry.reserved, 0, now
         if not entry.wanted_by:  # every request that wanted it ended meanwhile
             del self._entries[entry.item]
-            return
+            return False
         if result is None:
             entry.state = ABSENT
-            return
+            return False
         if problem is not None:
             entry.state = REFUSED
             self.counters.inc("rejected_items")
             self._log.warning(
                 "reject", "ec_redis: cached item %r refused (%s); encoding it", entry.item, problem
             )
-            return
+            return False
         size = result.nbytes
         bound = self.stage_bytes + max(self.max_item_bytes, size)
         if size > reserved and self.staged_bytes + self.reserved_bytes + size > bound:
             entry.state = REFUSED  # bigger than reserved and no room for the difference
             self.counters.inc("stage_overflow")
-            return
+            return False
         entry.state, entry.found = STAGED, result
         self.staged_bytes += size
         self.max_item_bytes = max(self.max_item_bytes, size)
+        return True
 
     def wait(self, generation: int, deadline: float) -> None:
         """Sleep until a lookup returns after ``generation`` or ``deadline`` (a ``clock()``
@@ -260,6 +305,7 @@ class Stager:
             del self._entries[entry.item]
         if entry.found is not None:
             self.staged_bytes -= entry.found.nbytes
+            self._free(entry.found)  # a file unlink at most; loads in transit hold their own
             entry.found = None
 
     # -- introspection and lifecycle ------------------------------------------------------
@@ -278,6 +324,9 @@ class Stager:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            for entry in self._entries.values():
+                if entry.found is not None:
+                    self._free(entry.found)
             self._entries.clear()
             self.staged_bytes = self.reserved_bytes = 0
             self.generation += 1

@@ -25,8 +25,9 @@ import torch
 
 from ec_redis.cache import TieredCache
 from ec_redis.connector.ids import is_request_scoped
-from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata
+from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
 from ec_redis.connector.stats import Deltas
+from ec_redis.connector.transport import read_staged
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 from ec_redis.tiers.base import tensor_nbytes
@@ -78,10 +79,7 @@ class WorkerSide:
         for load in meta.loads:
             if load.mm_hash in encoder_cache:
                 continue
-            # On CPU, clone: never hand vLLM memory that aliases the cache's (read-only) bytes.
-            # On a GPU, the host->device copy is the one copy (staged memory is pageable).
-            on_cpu = self._device.type == "cpu"
-            tensor = load.tensor.clone() if on_cpu else load.tensor.to(self._device)
+            tensor = self._to_rank(load)
             encoder_cache[load.mm_hash] = tensor
             self._published.add(load.mm_hash)  # it came from the cache: nothing to publish
             nbytes = tensor_nbytes(tensor)
@@ -89,6 +87,14 @@ class WorkerSide:
             self.counters.inc("loaded_bytes", nbytes)
             self._observe("item_mb", nbytes / 1e6)
         self._observe("load_seconds", time.perf_counter() - started)
+
+    def _to_rank(self, load: LoadItem) -> torch.Tensor:
+        """The load's bytes as vLLM's own tensor on this rank's device: one copy, from the
+        staged file or the inline tensor (never memory shared with the cache)."""
+        staged = read_staged(load)
+        if self._device.type != "cpu":
+            return staged.to(self._device)
+        return staged if load.tensor is None else staged.clone()  # a file read made new memory
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self._saves:
@@ -120,9 +126,13 @@ class WorkerSide:
             if mm_hash not in self._published:
                 self.save_caches(encoder_cache, mm_hash)
 
-    def worker_meta(self) -> ECRedisWorkerMetadata:
+    def worker_meta(self, meta: Any) -> ECRedisWorkerMetadata:
+        """Queued writes, and the step whose metadata this rank just ran (its loads are done,
+        so the scheduler half may drop their staged files)."""
         writer = self._cache.writer
-        return ECRedisWorkerMetadata(writer.depth()[0] if writer is not None and self._saves else 0)
+        pending = writer.depth()[0] if writer is not None and self._saves else 0
+        step = meta.step if isinstance(meta, ECRedisMetadata) else -1
+        return ECRedisWorkerMetadata(pending, step)
 
     def _observe(self, name: str, value: float) -> None:
         series = self._observations.setdefault(name, [])

@@ -1,0 +1,241 @@
+"""How staged bytes reach the workers: inline in the step metadata when the workers share the
+scheduler's process, else as files in a host-local tmpfs (``/dev/shm``) that every rank
+reads, so the metadata vLLM pickles to each worker every step carries ids and sizes only.
+
+A staged file lives while its staging entry does, and while a load that names it is in
+transit: until the output of that step comes back (every rank ran it by then: vLLM gathers
+all ranks' outputs first), or ``in_transit_ttl_s`` as a backstop. Files are written with
+``write(2)``, never through a mapping, so a full tmpfs is an error (and the item falls back
+to inline) rather than a SIGBUS. Files a killed process left behind are removed at start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ec_redis.connector.metadata import LoadItem
+from ec_redis.connector.staging import Found
+from ec_redis.logutil import RateLimitedLog
+from ec_redis.stats import Counters
+
+FILE_PREFIX = "ec_redis-stage-"
+TMPFS_HEADROOM_BYTES = 64 * 1024 * 1024  # never fill the tmpfs vLLM's own queues live on
+
+
+class InlineTransport:
+    """Workers in this process (or remote, under Ray): the tensor itself goes in the load."""
+
+    name = "inline"
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+
+    def stage(self, found: Found) -> Found:
+        return found
+
+    def discard(self, found: Found) -> None:
+        """A staging entry died; its bytes go with it."""
+
+    def load(self, item: str, found: Found, step: int) -> LoadItem:
+        return LoadItem(item, found.rows, _dtype_name(found.dtype), found.shape, found.tensor)
+
+    def step_done(self, step: int) -> None:
+        """The output of ``step`` came back from every rank."""
+
+    def sweep(self) -> None:
+        """Drop what outlived ``in_transit_ttl_s``."""
+
+    def close(self) -> None:
+        """Remove everything this transport still holds."""
+
+
+class FileTransport(InlineTransport):
+    """Workers in other processes on this host: staged bytes in files they read by name."""
+
+    name = "file"
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        in_transit_ttl_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._dir = Path(directory)
+        self._prefix = f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self._seq = itertools.count()
+        self._ttl_s = in_transit_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._refs: dict[str, int] = {}  # path -> holders (its staging entry, loads in transit)
+        self._in_transit: deque[tuple[int, float, str]] = deque()  # (step, since, path)
+        self._log = RateLimitedLog()
+        remove_orphans(self._dir)
+
+    def stage(self, found: Found) -> Found:
+        """Move a fetched tensor into a file (on a lookup thread, off the scheduling path)."""
+        tensor = found.tensor
+        if tensor is None:
+            return found
+        nbytes = found.nbytes
+        if not _has_room(self._dir, nbytes):
+            self.counters.inc("stage_inline_fallbacks")
+            return found
+        path = str(self._dir / f"{self._prefix}{next(self._seq)}")
+        try:
+            _write_file(path, tensor)
+        except OSError as exc:  # tmpfs full or gone: inline is slower, never wrong
+            self.counters.inc("stage_inline_fallbacks")
+            self._log.warning("stage-file", "ec_redis: cannot stage to %s: %r", path, exc)
+            _remove(path)
+            return found
+        with self._lock:
+            self._refs[path] = 1
+        return Found(found.dtype, found.shape, path=path)
+
+    def discard(self, found: Found) -> None:
+        if found.path is not None:
+            self._release(found.path)
+
+    def load(self, item: str, found: Found, step: int) -> LoadItem:
+        if found.path is None:
+            return super().load(item, found, step)
+        with self._lock:
+            self._refs[found.path] = self._refs.get(found.path, 0) + 1
+            self._in_transit.append((step, self._clock(), found.path))
+        return LoadItem(item, found.rows, _dtype_name(found.dtype), found.shape, path=found.path)
+
+    def step_done(self, step: int) -> None:
+        self._drain(lambda done_step, _since: done_step <= step)
+
+    def sweep(self) -> None:
+        cutoff = self._clock() - self._ttl_s
+        self._drain(lambda _step, since: since < cutoff)
+
+    def _drain(self, finished: Callable[[int, float], bool]) -> None:
+        done: list[str] = []
+        with self._lock:
+            while self._in_transit and finished(*self._in_transit[0][:2]):
+                done.append(self._in_transit.popleft()[2])
+        for path in done:
+            self._release(path)
+
+    def _release(self, path: str) -> None:
+        with self._lock:
+            holders = self._refs.get(path, 0) - 1
+            if holders > 0:
+                self._refs[path] = holders
+                return
+            self._refs.pop(path, None)
+        _remove(path)
+
+    def live_files(self) -> int:
+        with self._lock:
+            return len(self._refs)
+
+    def close(self) -> None:
+        with self._lock:
+            paths = list(self._refs)
+            self._refs.clear()
+            self._in_transit.clear()
+        for path in paths:
+            _remove(path)
+
+
+def choose(vllm_config: Any, setting: str, directory: str) -> InlineTransport:
+    """``auto``: files when vLLM runs the workers in other processes of this host (its
+    ``mp`` executor on one node), inline otherwise (one process, or Ray across hosts)."""
+    if setting == "auto":
+        parallel = getattr(vllm_config, "parallel_config", None)
+        backend = getattr(parallel, "distributed_executor_backend", None)
+        nnodes = getattr(parallel, "nnodes", 1)
+        setting = "file" if backend == "mp" and nnodes == 1 else "inline"
+    if setting == "file":
+        return FileTransport(directory or default_directory())
+    return InlineTransport()
+
+
+def default_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def read_staged(load: LoadItem) -> torch.Tensor:
+    """The tensor a load names: its own (inline) or read from its file into new memory."""
+    if load.tensor is not None:
+        return load.tensor
+    assert load.path is not None, "a load names a tensor or a file"
+    out = torch.empty(load.shape, dtype=getattr(torch, load.dtype))
+    view = out.reshape(-1).view(torch.uint8).numpy().data
+    with open(load.path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise OSError(f"staged file {load.path} is shorter than its load")
+            done += got
+    return out
+
+
+def remove_orphans(directory: Path) -> int:
+    """Remove staged files whose creating process is gone (a crash or a SIGKILL)."""
+    removed = 0
+    for path in directory.glob(f"{FILE_PREFIX}*"):
+        pid = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(str(path))
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _has_room(directory: Path, nbytes: int) -> bool:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize >= nbytes + TMPFS_HEADROOM_BYTES
+
+
+def _write_file(path: str, tensor: torch.Tensor) -> None:
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:  # nothing a worker can do about it; the start-up sweep retries
+        pass
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,166 @@
+"""Staged bytes travel to worker processes as host-local files: metadata stays small, a
+promised item's file lives until its step ran, and every file is removed in the end."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ec_redis.connector import transport as module
+from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata
+from ec_redis.connector.staging import Found
+from ec_redis.connector.transport import FileTransport, InlineTransport, read_staged
+from tests.conftest import bit_exact, embedding
+
+pytestmark = pytest.mark.vllm
+MiB = 1 << 20
+
+
+def found(rows: int, width: int = 128, seed: int = 0) -> Found:
+    tensor = embedding(rows, width, seed)
+    return Found(tensor.dtype, tuple(tensor.shape), tensor)
+
+
+def files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"{module.FILE_PREFIX}*"))
+
+
+def test_a_staged_file_holds_the_bytes_and_any_rank_reads_them(tmp_path: Path) -> None:
+    transport = FileTransport(str(tmp_path))
+    original = found(64, seed=1)
+    staged = transport.stage(original)
+    assert staged.tensor is None and staged.path is not None and staged.loadable
+    assert staged.nbytes == original.nbytes
+    load = transport.load("img", staged, step=0)
+    assert load.tensor is None and load.shape == (64, 128) and load.dtype == "bfloat16"
+    # Another process (a TP rank) reads it by name.
+    code = (
+        "import pickle, sys, torch; from ec_redis.connector.transport import read_staged; "
+        "t = read_staged(pickle.loads(sys.stdin.buffer.read())); "
+        "sys.stdout.buffer.write(t.view(torch.uint8).numpy().tobytes())"
+    )
+    rank = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(load), capture_output=True, check=True
+    )
+    assert rank.stdout == original.tensor.view(torch.uint8).numpy().tobytes()  # type: ignore[union-attr]
+    assert bit_exact(read_staged(load), original.tensor)  # type: ignore[arg-type]
+
+
+def test_a_file_lives_until_its_entry_and_every_load_in_transit_let_go(tmp_path: Path) -> None:
+    transport = FileTransport(str(tmp_path))
+    staged = transport.stage(found(16))
+    transport.load("img", staged, step=3)
+    transport.load("img", staged, step=4)  # a second request loads it in a later step
+    transport.discard(staged)  # the staging entry died (its last request loaded it)
+    assert len(files(tmp_path)) == 1  # two loads still in transit
+    transport.step_done(3)
+    assert len(files(tmp_path)) == 1
+    transport.step_done(4)
+    assert files(tmp_path) == [] and transport.live_files() == 0
+
+
+def test_loads_whose_step_never_reports_back_expire(tmp_path: Path) -> None:
+    now = [0.0]
+    transport = FileTransport(str(tmp_path), in_transit_ttl_s=60, clock=lambda: now[0])
+    staged = transport.stage(found(16))
+    transport.load("img", staged, step=0)
+    transport.discard(staged)
+    now[0] = 59.0
+    transport.sweep()
+    assert len(files(tmp_path)) == 1
+    now[0] = 61.0
+    transport.sweep()
+    assert files(tmp_path) == []
+
+
+def test_a_full_tmpfs_falls_back_to_inline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    transport = FileTransport(str(tmp_path))
+    monkeypatch.setattr(module, "_has_room", lambda directory, nbytes: False)
+    original = found(16)
+    assert transport.stage(original) is original
+    monkeypatch.setattr(module, "_has_room", lambda directory, nbytes: True)
+
+    def full(path: str, tensor: torch.Tensor) -> None:
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "_write_file", full)
+    assert transport.stage(original) is original  # slower, never wrong
+    assert files(tmp_path) == []  # the partial file is gone
+    assert transport.counters.snapshot()["stage_inline_fallbacks"] == 2
+
+
+def test_files_of_dead_processes_are_removed_at_start(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    orphan = tmp_path / f"{module.FILE_PREFIX}{int(dead.stdout)}-abcd-0"
+    mine = tmp_path / f"{module.FILE_PREFIX}{os.getpid()}-abcd-0"
+    orphan.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    FileTransport(str(tmp_path))
+    assert files(tmp_path) == [mine]
+
+
+def test_step_metadata_stays_under_4_kib_for_16_and_150_mib_items(tmp_path: Path) -> None:
+    transport = FileTransport(str(tmp_path))
+    loads = [
+        transport.load(name, transport.stage(found(rows, 3584)), step=0)
+        for name, rows in (("image", 16 * MiB // 7168), ("video", 150 * MiB // 7168))
+    ]
+    meta = ECRedisMetadata(loads=loads, step=0)
+    assert len(pickle.dumps(meta)) <= 4096
+    inline = InlineTransport()
+    inline_meta = ECRedisMetadata(loads=[inline.load("image", found(2340, 3584), step=0)])
+    assert len(pickle.dumps(inline_meta)) > 16 * 10**6  # what it would have cost inline
+    transport.close()
+    assert files(tmp_path) == []
+
+
+def test_worker_metadata_acknowledges_the_latest_step_over_ranks() -> None:
+    merged = ECRedisWorkerMetadata(1, 7).aggregate(ECRedisWorkerMetadata(2, 7))
+    assert isinstance(merged, ECRedisWorkerMetadata)
+    assert (merged.pending_writes, merged.loaded_step) == (3, 7)
+
+
+@pytest.mark.redis
+def test_the_connector_loads_through_files_and_leaves_none_behind(
+    make_connector: Any, tmp_path: Path
+) -> None:
+    from tests.connector.conftest import request
+    from tests.connector.test_connector_unit import publish, wait_ready
+
+    tensors = {"a": embedding(16, 128, seed=1), "b": embedding(600, 128, seed=2)}
+    publish(make_connector, tensors)
+    extra = {"stage_transport": "file", "stage_dir": str(tmp_path)}
+    scheduler = make_connector("ec_consumer", extra=extra)
+    worker = make_connector("ec_consumer", "worker", extra=extra)
+    req = request("r1", ("a", 16), ("b", 600))
+    assert wait_ready(scheduler, req)
+    assert len(files(tmp_path)) == 2  # staged in files, not in memory
+    for index in (0, 1):
+        assert scheduler.has_cache_item(req.mm_features[index].identifier)
+        scheduler.update_state_after_alloc(req, index)
+    meta = scheduler.build_connector_meta(None)
+    assert all(load.tensor is None for load in meta.loads)
+    assert len(pickle.dumps(meta)) < 4096
+    worker.bind_connector_metadata(meta)
+    encoder_cache: dict[str, torch.Tensor] = {}
+    worker.start_load_caches(encoder_cache)
+    from vllm.v1.outputs import ECConnectorOutput
+
+    output = ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    for name, tensor in tensors.items():
+        assert bit_exact(encoder_cache[name], tensor)
+    assert len(files(tmp_path)) == 2  # in transit until the step's output comes back
+    scheduler.update_connector_output(output)
+    scheduler.request_finished(req)
+    assert files(tmp_path) == []
+    assert scheduler.live_state()["staged_bytes"] == 0
