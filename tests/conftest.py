@@ -1,4 +1,5 @@
-"""Shared fixtures: real redis-server processes on free ports, fakeredis, and small tensors."""
+"""Shared fixtures: real redis-server processes on free ports, fakeredis, small tensors and
+the tiny LLaVA model."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -59,6 +61,14 @@ def private_redis() -> Iterator[EmbeddedRedis]:
     server = EmbeddedRedis.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA model (seed 0), built once per session; needs transformers (vLLM's)."""
+    from tests.e2e.tiny_model import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny_models", seed=0)
 
 
 @pytest.fixture

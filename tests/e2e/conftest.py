@@ -1,4 +1,5 @@
-"""Fixtures for the real-vLLM end-to-end tests: tiny models built once per session."""
+"""Fixtures for the real-vLLM end-to-end tests: tiny models built once per session (seed 0,
+``tiny_model``, lives in tests/conftest.py: the connector tests drive vLLM's scheduler with it)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,6 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import tiny_llava
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny LLaVA model, seed 0."""
-    return tiny_llava(tmp_path_factory, seed=0)
 
 
 @pytest.fixture(scope="session")
