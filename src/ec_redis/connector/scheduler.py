@@ -281,6 +281,7 @@ class SchedulerSide:
         """Sizes of every table this half keeps (tests assert they drain)."""
         out = self._stager.live_state()
         out.update(self._gate.sizes(), answers=len(self._answers), loads=len(self._loads))
+        out["files"] = self._transport.live_files()
         return out
 
     def snapshot(self) -> dict[str, Any]:

@@ -53,6 +53,9 @@ class InlineTransport:
     def step_done(self, step: int) -> None:
         """The output of ``step`` came back from every rank."""
 
+    def live_files(self) -> int:
+        return 0
+
     def sweep(self) -> None:
         """Drop what outlived ``in_transit_ttl_s``."""
 
