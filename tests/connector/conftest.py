@@ -30,6 +30,7 @@ def vllm_config(
 
     config = Mock(spec=VllmConfig)
     config.ec_transfer_config = ECTransferConfig(
+        engine_id="ec-redis-test-engine",  # both halves of one instance share it (as in vLLM)
         ec_connector="ECRedisConnector",
         ec_connector_module_path="ec_redis.connector",
         ec_role=role,

@@ -104,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: what the scheduler hooks add to one step with 1/64/256 requests waiting",
     )
-    hooks.add_argument("--steps", type=int, default=200, help="--scheduler: steps per size")
+    hooks.add_argument(
+        "--metadata",
+        action="store_true",
+        help="instead: step metadata to 2 TP ranks, staged bytes inline vs tmpfs files",
+    )
+    hooks.add_argument("--steps", type=int, default=200, help="--scheduler/--metadata: steps")
     fp = command("fingerprint", "the weights fingerprint a model path or hub id gets", "none")
     fp.add_argument("model", help="a checkpoint folder or file, or a hub id (as given to vLLM)")
     fp.add_argument("--revision", help="the hub revision (default: main)")

@@ -19,16 +19,12 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ec_redis.config import parse_extra_config
-from ec_redis.connector import shared, transport
+from ec_redis.connector import channel, shared, transport
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.ids import check_item_ids
+from ec_redis.connector.reporting import Reporter
 from ec_redis.connector.scheduler import SchedulerSide
-from ec_redis.connector.stats import (
-    Deltas,
-    ECRedisPromMetrics,
-    ECRedisStats,
-    cache_counters,
-)
+from ec_redis.connector.stats import ECRedisPromMetrics, ECRedisStats
 from ec_redis.connector.worker import WorkerSide
 from ec_redis.fingerprint import weights_fingerprint
 from ec_redis.keys import ModelIdentity
@@ -48,9 +44,14 @@ class ECRedisConnector(ECConnectorBase):
         check_item_ids(vllm_config, options.trust_client_uuids)
         self.identity = model_identity(vllm_config, config)
         self._cache = shared.acquire(config, self.identity)
-        self._deltas = Deltas()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._reporter: Reporter | None = None
+        self._publisher: channel.Publisher | None = None
+        stage_dir = options.stage_dir or transport.default_directory()
+        key = channel.channel_key(
+            str(vllm_config.ec_transfer_config.engine_id), _dp_rank(vllm_config)
+        )
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self._cache,
@@ -60,16 +61,19 @@ class ECRedisConnector(ECConnectorBase):
                 ),
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
-                transport=transport.choose(vllm_config, options.stage_transport, options.stage_dir),
+                transport=transport.choose(vllm_config, options.stage_transport, stage_dir),
             )
+            self._reporter = Reporter(self._scheduler, self._cache, channel.Reader(stage_dir, key))
         else:
+            speaks = _tp_rank() == 0  # one rank speaks for the instance: saves and metrics
             self._worker = WorkerSide(
                 self._cache,
                 _rank_device(),
                 is_producer=self.is_producer,
-                saves=self.is_producer and _tp_rank() == 0,
+                saves=self.is_producer and speaks,
             )
-            shared.add_worker(self._cache, self._worker)
+            if speaks:
+                self._publisher = channel.Publisher(stage_dir, key, self._worker.channel_snapshot)
         logger.info(
             "ec_redis: %s connector (%s) for %s; redis %s",
             role.name.lower(),
@@ -144,19 +148,13 @@ class ECRedisConnector(ECConnectorBase):
     # -- both sides -------------------------------------------------------------------------
 
     def get_ec_connector_stats(self) -> ECRedisStats | None:
-        """Per-interval increments. The scheduler half also reports the worker halves in its
-        process (vLLM's V1 runner drops worker stats); each increment is reported once."""
-        if self._worker is not None:
-            stats = ECRedisStats(data=self._worker.take_stats())
-        else:
-            assert self._scheduler is not None
-            stats = ECRedisStats(data=self._deltas(self.stats_snapshot()))
-            stats.data.update(self._scheduler.take_observations())
-            for worker in shared.workers_of(self._cache):
-                stats.aggregate(ECRedisStats(data=worker.take_stats()))
-            if "write_queue_depth" in stats.data:
-                self._scheduler.reported_queue_depth = stats.data["write_queue_depth"]
-        return None if stats.is_empty() else stats
+        """Per-interval increments, reported by the scheduler half for the whole instance (its
+        own and the worker halves', ``channel.py``); a worker half reports nothing here, so
+        V1 (which never asks a worker) and V2 (which does) count everything exactly once."""
+        if self._reporter is None:
+            return None
+        data = self._reporter.take()
+        return ECRedisStats(data=data) if data else None
 
     def live_state(self) -> dict[str, int]:
         """Sizes of the scheduler half's tables (per request, per item, per step) and its
@@ -164,13 +162,12 @@ class ECRedisConnector(ECConnectorBase):
         return self._scheduler.live_state() if self._scheduler is not None else {}
 
     def stats_snapshot(self) -> dict[str, Any]:
-        """Cumulative counters of this half (the scheduler half: plus its cache's)."""
+        """Cumulative counters of this half (the scheduler half: its lookups and its cache's
+        read side; a worker half: its saves and loads)."""
         if self._worker is not None:
             return self._worker.snapshot()
-        assert self._scheduler is not None
-        data: dict[str, Any] = cache_counters(self._cache.stats())
-        data.update(self._scheduler.snapshot())
-        return data
+        assert self._reporter is not None
+        return self._reporter.snapshot()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -178,8 +175,10 @@ class ECRedisConnector(ECConnectorBase):
         self._closed = True
         if self._scheduler is not None:
             self._scheduler.shutdown()
-        if self._worker is not None:
-            shared.remove_worker(self._cache, self._worker)
+        if self._publisher is not None:
+            self._publisher.close()
+        if self._reporter is not None:
+            self._reporter.close()
         shared.release(self._cache)
 
     @classmethod
@@ -230,6 +229,11 @@ def _width_lookup(vllm_config: Any) -> Any:
         return int(width) if width else None
 
     return width_for
+
+
+def _dp_rank(vllm_config: Any) -> int:
+    rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)
+    return rank if isinstance(rank, int) else 0
 
 
 def _rank_device() -> torch.device:

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.request import RequestStatus
-
 from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.ids import is_request_scoped
@@ -94,7 +92,9 @@ class RequestGate:
         """Items the request still needs and vLLM's encoder cache does not hold for it:
         not consumed yet, and, for a running request, not started (an item a running
         request is part-way through sits in vLLM's encoder cache until it is consumed)."""
-        running = request.status == RequestStatus.RUNNING
+        # vllm.v1.request.RequestStatus.RUNNING, by name: importing that module costs the
+        # API server (which imports this class) most of a second.
+        running = getattr(request.status, "name", None) == "RUNNING"
         out: Needed = []
         for index, feature in enumerate(request.mm_features):
             position = feature.mm_position

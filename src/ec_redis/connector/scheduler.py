@@ -100,7 +100,8 @@ class SchedulerSide:
         # Worker reports (producers).
         self._pending_writes = 0
         self._pending_reported_at = 0.0
-        self.reported_queue_depth = 0.0  # the write-queue gauge as last reported to vLLM
+        # Gauges of the worker halves as last read from the stats channel (reporting.py).
+        self.worker_gauges: dict[str, float] = {}
         self._next_housekeeping = 0.0
         self._log = RateLimitedLog()
 
@@ -245,8 +246,10 @@ class SchedulerSide:
         if not self._is_producer or self._is_consumer:
             return False
         writer = self._cache.writer
-        if writer is not None and (writer.depth()[0] > 0 or self.reported_queue_depth > 0):
-            return True  # one more step after draining reports the queue as empty
+        if writer is not None and writer.depth()[0] > 0:
+            return True  # the worker shares this process (and this cache)
+        if self.worker_gauges.get("write_queue_depth", 0) > 0:
+            return True  # a worker process's queue, as its stats last said
         fresh = self._clock() - self._pending_reported_at < PUSH_REPORT_FRESH_S
         return self._pending_writes > 0 and fresh
 

@@ -27,7 +27,8 @@ COUNTERS: dict[str, str] = {
     "saved_items": "Encoder outputs handed to the cache by producers",
     "saved_bytes": "Bytes of encoder outputs handed to the cache by producers",
     "redis_written_bytes": "Bytes written to Redis",
-    "redis_errors": "Failed Redis calls (counted as misses or dropped writes)",
+    "redis_errors": "Failed Redis reads (counted as misses)",
+    "redis_write_errors": "Failed Redis writes (the entry stays local; sharing is lost)",
     "bad_blobs": "Corrupt, truncated or foreign blobs rejected and deleted",
     "write_drops": "Pending Redis writes dropped because the write queue was full",
     "rejected_items": "Fetched items refused because dtype/width/rows disagreed with the request",
@@ -178,22 +179,33 @@ class Deltas:
         return out
 
 
-def cache_counters(stats: dict[str, Any]) -> dict[str, float]:
-    """The cumulative numbers of ``TieredCache.stats()`` under the connector's metric names."""
+def read_counters(stats: dict[str, Any]) -> dict[str, float]:
+    """The read side of ``TieredCache.stats()`` under the connector's metric names (what the
+    scheduler half's lookups did). With one cache shared by both halves of a process, each
+    half reports only its own side, so nothing is counted twice."""
     redis = stats.get("redis", {})
-    writer = stats.get("writer", {})
     out = {
         "hits_gpu": stats.get("gpu", {}).get("hits", 0),
         "hits_cpu": stats.get("cpu", {}).get("hits", 0) + stats.get("pending_write_hits", 0),
         "hits_redis": redis.get("hits", 0),
         "misses": stats.get("misses", 0),
-        "redis_errors": redis.get("errors", 0),
+        "redis_errors": redis.get("errors", 0) - redis.get("write_errors", 0),
         "bad_blobs": redis.get("bad_blobs", 0),
-        "redis_written_bytes": redis.get("bytes_written", 0),
-        "write_drops": writer.get("dropped", 0),
     }
     if redis:
         out["breaker_state"] = redis.get("breaker_state", 0)
-    if writer:
-        out["write_queue_depth"] = writer.get("queue_depth", 0)
     return out
+
+
+def write_counters(stats: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """The write side of ``TieredCache.stats()`` (what the saving worker half's Redis writes
+    did): ``(counters, gauges)``."""
+    redis = stats.get("redis", {})
+    writer = stats.get("writer", {})
+    counters = {
+        "redis_written_bytes": redis.get("bytes_written", 0),
+        "redis_write_errors": redis.get("write_errors", 0),
+        "write_drops": writer.get("dropped", 0),
+    }
+    gauges = {"write_queue_depth": writer.get("queue_depth", 0)} if writer else {}
+    return counters, gauges

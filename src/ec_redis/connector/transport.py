@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ec_redis.connector.channel import pid_alive
 from ec_redis.connector.metadata import LoadItem
 from ec_redis.connector.staging import Found
 from ec_redis.logutil import RateLimitedLog
@@ -175,20 +176,21 @@ def default_directory() -> str:
 
 
 def read_staged(load: LoadItem) -> torch.Tensor:
-    """The tensor a load names: its own (inline) or read from its file into new memory."""
+    """The tensor a load names: its own (inline), or its staged file mapped copy-on-write into
+    this process (no copy: the pages are the file's until someone writes, and they outlive
+    the file's removal for as long as the tensor lives)."""
     if load.tensor is not None:
         return load.tensor
     assert load.path is not None, "a load names a tensor or a file"
-    out = torch.empty(load.shape, dtype=getattr(torch, load.dtype))
-    view = out.reshape(-1).view(torch.uint8).numpy().data
-    with open(load.path, "rb", buffering=0) as f:
-        done = 0
-        while done < len(view):
-            got = f.readinto(view[done:])
-            if not got:
-                raise OSError(f"staged file {load.path} is shorter than its load")
-            done += got
-    return out
+    dtype = getattr(torch, load.dtype)
+    numel = 1
+    for dim in load.shape:
+        numel *= dim
+    if numel == 0:
+        return torch.empty(load.shape, dtype=dtype)
+    if os.path.getsize(load.path) < numel * dtype.itemsize:  # a short mapping would SIGBUS
+        raise OSError(f"staged file {load.path} is shorter than its load")
+    return torch.from_file(load.path, shared=False, size=numel, dtype=dtype).view(load.shape)
 
 
 def remove_orphans(directory: Path) -> int:
@@ -196,20 +198,10 @@ def remove_orphans(directory: Path) -> int:
     removed = 0
     for path in directory.glob(f"{FILE_PREFIX}*"):
         pid = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             _remove(str(path))
             removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _has_room(directory: Path, nbytes: int) -> bool:

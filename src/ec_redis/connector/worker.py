@@ -16,7 +16,6 @@ rank 0 only; loads happen on every rank.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -24,9 +23,10 @@ from typing import Any
 import torch
 
 from ec_redis.cache import TieredCache
+from ec_redis.connector.channel import Observations
 from ec_redis.connector.ids import is_request_scoped
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
-from ec_redis.connector.stats import Deltas
+from ec_redis.connector.stats import write_counters
 from ec_redis.connector.transport import read_staged
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -67,9 +67,7 @@ class WorkerSide:
         self._saves = saves  # producer on the rank that publishes (TP rank 0)
         self._published = _RecentSet()
         self.counters = Counters()
-        self._observations: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}
-        self._stats_lock = threading.Lock()
-        self._deltas = Deltas()
+        self._observations = Observations()
         self._log = RateLimitedLog()
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Any) -> None:
@@ -135,21 +133,22 @@ class WorkerSide:
         return ECRedisWorkerMetadata(pending, step)
 
     def _observe(self, name: str, value: float) -> None:
-        series = self._observations.setdefault(name, [])
-        if len(series) < 1024:
-            series.append(value)
+        self._observations.add(name, value)
 
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counters (for tests and tools)."""
         return dict(self.counters.snapshot())
 
-    def take_stats(self) -> dict[str, Any]:
-        """Counter increments and observations since the last call (whoever calls: vLLM's V2
-        runner on the worker, or the co-located scheduler half under V1)."""
-        with self._stats_lock:
-            out = self._deltas(self.counters.snapshot())
-            for name, series in self._observations.items():
-                if series:
-                    out[name] = list(series)
-                    series.clear()
-        return out
+    def channel_snapshot(self) -> dict[str, Any]:
+        """What this half publishes for the scheduler half to report (``channel.py``): its
+        cumulative counters, its cache's write side when it saves, recent observations."""
+        counters: dict[str, float] = dict(self.counters.snapshot())
+        gauges: dict[str, float] = {}
+        if self._saves:
+            written, gauges = write_counters(self._cache.stats())
+            counters.update(written)
+        return {
+            "counters": counters,
+            "gauges": gauges,
+            "observations": self._observations.snapshot(),
+        }
