@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from ec_redis.errors import TensorError
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
+from ec_redis.tiers import notify
 from ec_redis.tiers.cpu import HostTier
 from ec_redis.tiers.gpu import DeviceTier
 from ec_redis.tiers.pinned import PinnedPool
@@ -246,7 +247,19 @@ class TieredCache:
 
     def _write_to_redis(self, key: str, host: HostCopy) -> bool:
         assert self.redis is not None
-        return self.redis.put(key, host.tensor)
+        stored = self.redis.put(key, host.tensor)
+        if stored and self.config.announce_writes:
+            notify.announce(self.redis.client, self.redis.keys.channel(), key, self.counters)
+        return stored
+
+    def subscribe(self, on_item: Callable[[str], object]) -> notify.Subscription | None:
+        """Call ``on_item(item)`` for every entry any writer announces from now on (on a
+        thread); ``None`` without Redis."""
+        if self.redis is None:
+            return None
+        return notify.Subscription(
+            self.redis.client, self.redis.keys.channel(), on_item, self.counters
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -287,6 +287,15 @@ class CacheConfig:
         default=1,
         metadata=_key(_int_at_least(1), "1", "Background threads writing to Redis."),
     )
+    announce_writes: bool = field(
+        default=True,
+        metadata=_key(
+            _bool,
+            "true",
+            "PUBLISH each stored entry's id on the model's channel, so waiting readers hear of "
+            "it at once (one small message per write).",
+        ),
+    )
     producer_id: str = field(
         default="",
         metadata=_key(_text, '"encoder-0"', "Written into each blob header; default host:pid."),
@@ -407,6 +416,15 @@ class ConnectorOptions:
             "true",
             "Start even though vLLM names items by a per-process counter "
             "(mm_processor_cache_gb 0 and no prefix caching): every item carries a client uuid.",
+        ),
+    )
+    push_notifications: bool = field(
+        default=True,
+        metadata=_key(
+            _bool,
+            "true",
+            "ec_consumer: subscribe to the writers' announcements and fetch an awaited item "
+            "the moment it lands (polling every recheck_s stays the fallback).",
         ),
     )
     recheck_s: float = field(

@@ -86,6 +86,10 @@ class KeyBuilder:
         """The key of chunk ``index`` (1-based) of the entry at ``head``."""
         return f"{head}:c{index}"
 
+    def channel(self) -> str:
+        """The pub/sub channel on which writers announce this model's new entries."""
+        return f"{self.namespace}:v{FORMAT_VERSION}:stored:{self.fingerprint}"
+
     def pattern(self) -> str:
         """A SCAN pattern matching every key of this model (heads and chunks)."""
         return f"{self.namespace}:v{FORMAT_VERSION}:{{{self.fingerprint}.*"

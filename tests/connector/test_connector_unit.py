@@ -403,3 +403,44 @@ def test_shutdown_is_idempotent_and_stops_threads(make_connector: Make) -> None:
             break
         time.sleep(0.02)
     assert not leaked, leaked
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["push", "poll-only"])
+def test_a_waiting_consumer_hears_the_moment_the_producer_stores_the_item(
+    make_connector: Make, push: bool
+) -> None:
+    """With recheck_s at 30 s, only the producer's announcement can make the item visible
+    within the 5 s this test allows; without push it must not be (the control)."""
+    scheduler = make_connector(
+        "ec_consumer",
+        extra={"consumer_wait_s": 60, "recheck_s": 30, "push_notifications": push},
+    )
+    req = request("r1", ("late", 16))
+    assert scheduler.ensure_cache_available(req, 0) is False
+    assert wait_for_absent(scheduler, "late")
+    wait_subscribed(scheduler, push)
+    producer = make_connector("ec_producer", "worker", extra={"producer_id": "encoder"})
+    producer.save_caches(encoder_cache={"late": embedding(16, 128, seed=9)}, mm_hash="late")
+    visible = wait_ready(scheduler, req, timeout_s=5.0)
+    assert visible is push
+    if push:
+        assert scheduler.has_cache_item("late")
+
+
+def wait_for_absent(scheduler: Any, item: str) -> bool:
+    from ec_redis.connector.staging import ABSENT
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        entry = scheduler._scheduler._stager.get(item)
+        if entry is not None and entry.state == ABSENT:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def wait_subscribed(scheduler: Any, push: bool) -> None:
+    subscription = scheduler._scheduler._subscription
+    assert (subscription is not None) is push
+    if subscription is not None:
+        assert subscription.connected.wait(5)

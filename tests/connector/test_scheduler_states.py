@@ -45,6 +45,9 @@ class GatedCache:
         self._wait(items)
         return {item: self.stored.get(item) for item in items}
 
+    def subscribe(self, on_item: Any) -> None:
+        return None  # announcements are driven by hand (Stager.nudge) in these tests
+
     def describe_many(self, items: list[str]) -> dict[str, Any]:
         self._wait(items)
         return {
@@ -352,3 +355,33 @@ def test_a_producer_answers_from_the_head_and_never_holds_past_its_deadline() ->
     assert side.build_connector_meta(None).loads == []  # nothing to load on a producer
     side.request_finished(req)
     assert drained(side)
+
+
+def test_an_announcement_refetches_an_awaited_item_at_once() -> None:
+    side, cache = make_side(consumer_wait_s=60, recheck_s=60)  # polling would take a minute
+    req = request("r1", ("late", 16))
+    stage(side, cache, req)  # absent
+    assert side.ensure_cache_available(req, 0) is False
+    cache.stored["late"] = embedding(16, WIDTH)
+    generation = side._stager.generation
+    assert side._stager.nudge("late") is True  # what the subscriber thread does
+    cache.open()
+    settle(side, generation)
+    assert side.ensure_cache_available(req, 0) is True and side.has_cache_item("late")
+
+
+def test_an_announcement_during_a_stale_look_is_not_lost() -> None:
+    """The look started before the write landed and will say "absent": the announcement that
+    arrives meanwhile makes it look once more instead of waiting for the next recheck."""
+    side, cache = make_side(consumer_wait_s=60, recheck_s=60)
+    req = request("r1", ("racing", 16))
+    generation = side._stager.generation
+    assert side.ensure_cache_available(req, 0) is False  # look in flight, item not stored yet
+    wait_for(lambda: len(cache.lookups) == 1, 5, "the first look to start")
+    assert side._stager.nudge("racing") is False  # in flight: remembered, not started twice
+    cache.open()  # the first look returns "absent" ...
+    wait_for(lambda: len(cache.lookups) == 2, 5, "the second look")  # ... and looks again
+    cache.stored["racing"] = embedding(16, WIDTH)
+    cache.open()
+    settle(side, generation + 1)
+    assert side.ensure_cache_available(req, 0) is True and side.has_cache_item("racing")

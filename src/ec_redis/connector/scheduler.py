@@ -104,6 +104,11 @@ class SchedulerSide:
         self.worker_gauges: dict[str, float] = {}
         self._next_housekeeping = 0.0
         self._log = RateLimitedLog()
+        # A pure consumer hears the moment a producer stores an item it may wait for.
+        waits = is_consumer and not is_producer and options.consumer_wait_s > 0
+        self._subscription = (
+            cache.subscribe(self._stager.nudge) if waits and options.push_notifications else None
+        )
 
     # -- lookups (run on the stager's threads) ----------------------------------------------
 
@@ -303,6 +308,8 @@ class SchedulerSide:
         return {"fetch_seconds": taken}
 
     def shutdown(self) -> None:
+        if self._subscription is not None:
+            self._subscription.close()
         self._stager.close()
         self._gate.clear()
         self._transport.close()

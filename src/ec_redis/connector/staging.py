@@ -76,6 +76,8 @@ class Entry:
     since: float  # when the current state began
     touched: float  # last time a request asked for it
     reserved: int = 0  # bytes reserved while FETCHING
+    estimate: int = 0  # what a fetch of it reserves
+    announced: bool = False  # a writer announced it while a (possibly stale) look ran
     found: Found | None = None
     wanted_by: set[str] = field(default_factory=set)
 
@@ -160,7 +162,7 @@ class Stager:
                 else:  # ABSENT (or REFUSED) again: look once more
                     entry.state, entry.since, entry.found = FETCHING, now, None
                 entry.touched = now
-                entry.reserved = reserve
+                entry.reserved = entry.estimate = reserve
                 entry.wanted_by.add(request_id)
                 self.reserved_bytes += reserve
                 self.max_item_bytes = max(self.max_item_bytes, reserve)
@@ -175,6 +177,28 @@ class Stager:
         if new_entry and len(self._entries) >= self.max_items:
             return False
         return self.staged_bytes + self.reserved_bytes < self.stage_bytes
+
+    def nudge(self, item: str) -> bool:
+        """A writer announced ``item``: if a request waits for it (ABSENT), look again now
+        instead of at the next recheck. True if a lookup started."""
+        now = self._clock()
+        with self._lock:
+            entry = self._entries.get(item)
+            if self._closed or entry is None or not entry.wanted_by:
+                return False
+            if entry.state == FETCHING:  # that look may have started before the write landed
+                entry.announced = True
+                return False
+            if entry.state != ABSENT:
+                return False
+            if not self._has_room_locked(False):
+                return False  # the next recheck tries again
+            entry.state, entry.since, entry.reserved = FETCHING, now, entry.estimate
+            self.reserved_bytes += entry.estimate
+            self.in_flight += 1
+        self.counters.inc("nudged")
+        self._pool.submit(self._run, [item])
+        return True
 
     def release(self, item: str, request_id: str) -> None:
         """``request_id`` no longer wants ``item``; the entry dies with its last wanter."""
@@ -205,10 +229,22 @@ class Stager:
         }
         now = self._clock()
         unused: list[Found] = []
+        again: list[str] = []
         with self._lock:
             self.in_flight -= 1
             for item in batch:
                 entry = self._entries.get(item)
+                if (
+                    entry is not None
+                    and entry.state == FETCHING
+                    and entry.announced
+                    and found.get(item) is None
+                    and entry.wanted_by
+                    and not self._closed
+                ):
+                    entry.announced = False  # a stale "absent": look once more right away
+                    again.append(item)
+                    continue
                 result = kept.get(item, found.get(item))
                 settled = (
                     entry is not None
@@ -217,10 +253,15 @@ class Stager:
                 )
                 if not settled and item in kept:
                     unused.append(kept[item])
+            if again:
+                self.in_flight += 1
             self.generation += 1
             self._changed.notify_all()
         for result in unused:
             self._free(result)
+        if again:
+            self.counters.inc("nudged", len(again))
+            self._pool.submit(self._run, again)
 
     def _kept(self, result: Found) -> Found:
         if self._keep is None:
@@ -246,6 +287,7 @@ class Stager:
         self, entry: Entry, result: Found | None, problem: str | None, now: float
     ) -> bool:
         """Move a FETCHING entry to its next state; True if it now holds ``result``."""
+        entry.announced = False
         self.reserved_bytes -= entry.reserved
         reserved, entry.reserved, entry.since = entry.reserved, 0, now
         if not entry.wanted_by:  # every request that wanted it ended meanwhile
