@@ -78,10 +78,10 @@ class WorkerSide:
         for load in meta.loads:
             if load.mm_hash in encoder_cache:
                 continue
-            # On CPU, clone: never hand vLLM memory that aliases the cache's (read-only) bytes.
-            # On a GPU, the host->device copy is the one copy (staged memory is pageable).
-            on_cpu = self._device.type == "cpu"
-            tensor = load.tensor.clone() if on_cpu else load.tensor.to(self._device)
+            # One copy that owns its memory (never aliasing the cache's read-only bytes): a
+            # clone on CPU; on a GPU, through a pinned block, ordered before later work on the
+            # current stream, and the staged tensor may be dropped as soon as it returns.
+            tensor = self._cache.transfer.upload(load.tensor, self._device)
             encoder_cache[load.mm_hash] = tensor
             self._published.add(load.mm_hash)  # it came from the cache: nothing to publish
             nbytes = tensor_nbytes(tensor)
@@ -99,11 +99,14 @@ class WorkerSide:
         started = time.perf_counter()
         try:
             # The cache keeps a reference (and copies device tensors to host on a side
-            # stream ordered after the encoder), so vLLM freeing the entry is safe.
-            self._cache.put(mm_hash, tensor)
+            # stream ordered after the encoder), so vLLM freeing the entry is safe. It
+            # returns False on an internal failure (counted and logged there).
+            stored = self._cache.put(mm_hash, tensor)
         except Exception as exc:  # a failed save costs sharing, never the step
-            self.counters.inc("save_errors")
             self._log.warning("save", "ec_redis: cannot save %r: %r", mm_hash, exc)
+            stored = False
+        if not stored:
+            self.counters.inc("save_errors")
             return
         self._published.add(mm_hash)
         nbytes = tensor_nbytes(tensor)
