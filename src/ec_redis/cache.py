@@ -33,6 +33,10 @@ class TieredCache:
     ``get`` walks GPU -> CPU -> Redis and promotes hits into the faster tiers. ``put`` stores
     locally and queues the Redis write. Tensors handed out are shared with the cache: treat
     them as read-only. Redis problems become misses and counters, never exceptions.
+
+    ``device`` (default: ``config.device``) is where ``get`` returns tensors. Puts copy from
+    wherever the tensor lives, so a cache built with ``device=torch.device("cpu")`` that is
+    only given host tensors never touches CUDA.
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class TieredCache:
         *,
         identity: ModelIdentity | None = None,
         redis_client: Any = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.identity = identity or ModelIdentity(
@@ -50,10 +55,14 @@ class TieredCache:
             config.embed_width,
             config.model_fingerprint,
         )
-        self.device = _resolve_device(config.device)
-        pool = PinnedPool(config.cpu_cache_bytes + config.write_queue_bytes)
-        self._transfer = Transfer(self.device, pool if self.device.type == "cuda" else None)
-        self.cpu = HostTier(config.cpu_cache_bytes, self._transfer)
+        # Where get() returns tensors; an explicit ``device`` skips even asking CUDA whether
+        # it exists. Nothing here touches CUDA: streams and pinned slabs are made by the first
+        # copy that needs them, on the device of the tensor being copied.
+        self.device = _resolve_device(config.device) if device is None else device
+        self.transfer = Transfer(
+            self.device, PinnedPool(config.cpu_cache_bytes + config.write_queue_bytes)
+        )
+        self.cpu = HostTier(config.cpu_cache_bytes, self.transfer)
         self.gpu = DeviceTier(config.gpu_cache_bytes, on_evict=self._spill)
         self.counters = Counters()
         self._log = RateLimitedLog()
@@ -147,8 +156,7 @@ class TieredCache:
         try:
             return self.redis.get_many(keys)
         except Exception as exc:  # a cache read must never take a vLLM step down with it
-            self.counters.inc("internal_errors")
-            self._log.warning("internal", "ec_redis: unexpected error in a Redis read: %r", exc)
+            self._internal_error("a Redis read", exc)
             return {}
 
     def _get_local(self, key: str, on_host: bool = False) -> torch.Tensor | None:
@@ -158,12 +166,11 @@ class TieredCache:
         if on_host:
             host = self.cpu.get_host_copy(key) if self.cpu.enabled else None
             if host is not None:
-                host.wait()
-                return _owned_host(host.tensor)
+                return host.owned()
         else:
             tensor = self.cpu.get(key) if self.cpu.enabled else None
             if tensor is not None:
-                self.gpu.put(key, tensor)
+                self._gpu_put(key, tensor)
                 return tensor
         if self.writer is not None:
             pending = self.writer.pending(key)  # put but not yet in Redis: read your writes
@@ -175,10 +182,9 @@ class TieredCache:
     def _promote(self, key: str, host: HostCopy, on_host: bool = False) -> torch.Tensor:
         self.cpu.put_host(key, host)
         if on_host:
-            host.wait()
-            return _owned_host(host.tensor)
-        tensor = self._transfer.to_device(host)
-        self.gpu.put(key, tensor)
+            return host.owned()
+        tensor = self.transfer.to_device(host)
+        self._gpu_put(key, tensor)
         return tensor
 
     def contains(self, key: str) -> bool:
@@ -203,28 +209,37 @@ class TieredCache:
             try:
                 out.update(self.redis.describe_many(remote))
             except Exception as exc:  # never take a vLLM step down with a cache read
-                self.counters.inc("internal_errors")
-                self._log.warning("internal", "ec_redis: unexpected error in a head read: %r", exc)
+                self._internal_error("a head read", exc)
         return out
 
     # -- writes --------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
+    def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Cache ``tensor`` under ``key``; returns at once (the Redis write is queued).
 
-        Raises ``TensorError`` for tensors the format cannot hold (a caller bug).
+        Raises ``TensorError`` for tensors the format cannot hold (a caller bug). Anything
+        else that fails — a CUDA OOM in the GPU tier's compacting clone, a failed copy —
+        costs this entry, is counted (``internal_errors``) and logged, and returns False
+        instead of raising (as does a closed cache).
         """
         _check_key(key)
         _check_tensor(tensor)
         if self._closed:
-            return
-        tensor = tensor.detach()
-        on_gpu = self.gpu.put(key, tensor)
+            return False
+        try:
+            self._store(key, tensor.detach())
+        except Exception as exc:  # a put costs sharing on failure, never the caller's step
+            self._internal_error("a put", exc)
+            return False
+        return True
+
+    def _store(self, key: str, tensor: torch.Tensor) -> None:
+        on_gpu = self._gpu_put(key, tensor)
         if on_gpu:
             self.cpu.delete(key)  # an older CPU copy would outlive it: spills skip such keys
         if on_gpu and self.writer is None:
             return
-        host = self._transfer.to_host(tensor)
+        host = self.transfer.to_host(tensor)
         if not on_gpu:
             self.cpu.put_host(key, host)
         if self.writer is not None:
@@ -239,11 +254,40 @@ class TieredCache:
         if self.redis is not None:
             self.redis.delete(key)
 
+    def _gpu_put(self, key: str, tensor: torch.Tensor) -> bool:
+        """The GPU tier's put, for tensors on the reads device only: anything else could not
+        be served without a copy, and would be read later on another thread's stream,
+        unordered with its producer's. (The connector's host-reads cache therefore keeps no
+        device tensors: no GPU memory held behind vLLM's back.) A failure — a CUDA OOM in the
+        compacting clone — costs only the GPU copy, and drops an older GPU copy of ``key``
+        so it is never served instead."""
+        if not self.gpu.enabled:
+            return False
+        if not _on(tensor, self.device):
+            self.gpu.delete(key)  # an older GPU copy must not be served over this put
+            return False
+        try:
+            return self.gpu.put(key, tensor)
+        except Exception as exc:
+            self.gpu.delete(key)
+            self._internal_error("a GPU-tier put", exc)
+            return False
+
     def _spill(self, key: str, tensor: torch.Tensor) -> None:
-        """GPU eviction: keep a host copy unless the CPU tier already has one."""
-        if not self.cpu.contains(key):
+        """GPU eviction: keep a host copy unless the CPU tier already has one. Runs inside the
+        GPU tier's put, so a failed copy is counted here and lets the other evictions spill."""
+        if self.cpu.contains(key):
+            return
+        try:
             self.cpu.put(key, tensor)
-            self.counters.inc("spills")
+        except Exception as exc:
+            self._internal_error("a spill", exc)
+            return
+        self.counters.inc("spills")
+
+    def _internal_error(self, what: str, exc: Exception) -> None:
+        self.counters.inc("internal_errors")
+        self._log.warning("internal", "ec_redis: unexpected error in %s: %r", what, exc)
 
     def _write_to_redis(self, key: str, host: HostCopy) -> bool:
         assert self.redis is not None
@@ -278,6 +322,7 @@ class TieredCache:
             self.redis.close()
         self.gpu.close()
         self.cpu.close()
+        self.transfer.close()
 
     def __enter__(self) -> TieredCache:
         return self
@@ -297,16 +342,20 @@ class TieredCache:
         return out
 
 
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` lives on ``device`` (a bare ``cuda`` matches any CUDA index)."""
+    index: int | None = device.index  # typed int by torch's stubs, None for a bare "cuda"
+    return tensor.device.type == device.type and index in (None, tensor.device.index)
+
+
 def _describe(tensor: torch.Tensor) -> tuple[torch.dtype, Shape]:
     return tensor.dtype, tuple(tensor.shape)
 
 
 def _owned_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host tensor that owns its memory: device tensors are copied down, pooled pinned
-    buffers are cloned (their block goes back to the pool), plain host tensors are kept."""
-    if tensor.device.type != "cpu":
-        return tensor.to("cpu")
-    return tensor.clone() if tensor.is_pinned() else tensor
+    """A GPU-tier tensor as a host tensor that owns its memory: device tensors are copied
+    down, host tensors are kept (the GPU tier never holds pool memory)."""
+    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
 
 
 def _check_key(key: str) -> str:

@@ -1,9 +1,11 @@
 """Background Redis writer: a bounded queue so ``put`` never waits on the network.
 
-The queue is bounded in entries and in bytes. When full, the **oldest** pending write is
-dropped and counted (its data is still in the local tiers; only sharing is lost). A newer
-write of a pending key replaces the older one. Threads are daemons and ``close`` has a
-deadline, so an engine can always exit.
+The queue is bounded in entries and in bytes — the bytes each host copy really holds (a
+pinned pool block rounded up, or a tensor's whole storage), not its tensor's size. When
+full, the **oldest** pending write is dropped and counted (its data is still in the local
+tiers; only sharing is lost). A newer write of a pending key replaces the older one. Threads
+are daemons and ``close`` has a deadline, so an engine can always exit. A write reads its
+host copy only after the device->host copy's ``ready`` event (``HostCopy.wait``).
 """
 
 from __future__ import annotations

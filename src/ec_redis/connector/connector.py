@@ -43,7 +43,7 @@ class ECRedisConnector(ECConnectorBase):
         config, options = parse_extra_config(extra)
         check_item_ids(vllm_config, options.trust_client_uuids)
         self.identity = model_identity(vllm_config, config)
-        self._cache = shared.acquire(config, self.identity)
+        self._cache = shared.acquire(config, self.identity)  # host reads: no CUDA (shared.py)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._reporter: Reporter | None = None

@@ -2,6 +2,11 @@
 
 With vLLM's single-process executor both halves live in the engine-core process; sharing one
 cache lets items this instance saved be found locally and keeps one set of byte budgets.
+
+The cache reads on the host, whichever half builds it: the scheduler half stages host
+tensors and workers copy them onto their own device, so nothing reads through ``get`` onto a
+GPU. Building it touches no CUDA, and only a worker's put of a device tensor ever does — on
+that tensor's own device (the rank's), never ``config.device`` (``tiers/transfer.py``).
 """
 
 from __future__ import annotations
@@ -9,10 +14,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
+
 from ec_redis.cache import TieredCache
 from ec_redis.config import CacheConfig
 from ec_redis.keys import ModelIdentity
 
+HOST = torch.device("cpu")
 _lock = threading.Lock()
 _caches: dict[tuple[CacheConfig, ModelIdentity], tuple[TieredCache, int]] = {}
 # Worker halves by the cache they use: vLLM's V1 runner drops worker-side stats, so the
@@ -26,7 +34,7 @@ def acquire(config: CacheConfig, identity: ModelIdentity) -> TieredCache:
     with _lock:
         cache, users = _caches.get(key, (None, 0))
         if cache is None:
-            cache = TieredCache(config, identity=identity)
+            cache = TieredCache(config, identity=identity, device=HOST)
         _caches[key] = (cache, users + 1)
         return cache
 

@@ -87,12 +87,14 @@ class WorkerSide:
         self._observe("load_seconds", time.perf_counter() - started)
 
     def _to_rank(self, load: LoadItem) -> torch.Tensor:
-        """The load's bytes as vLLM's own tensor on this rank's device: one copy, from the
-        staged file or the inline tensor (never memory shared with the cache)."""
+        """The load's bytes as vLLM's own tensor on this rank's device, never memory shared
+        with the cache: on CPU a staged file is mapped privately (no copy) and an inline
+        tensor cloned; on a GPU one copy through a pinned block, ordered before later work on
+        the current stream (the staged bytes may go as soon as this returns)."""
         staged = read_staged(load)
-        if self._device.type != "cpu":
-            return staged.to(self._device)
-        return staged if load.tensor is None else staged.clone()  # a file read made new memory
+        if self._device.type == "cpu" and load.tensor is None:
+            return staged
+        return self._cache.transfer.upload(staged, self._device)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self._saves:
@@ -103,11 +105,14 @@ class WorkerSide:
         started = time.perf_counter()
         try:
             # The cache keeps a reference (and copies device tensors to host on a side
-            # stream ordered after the encoder), so vLLM freeing the entry is safe.
-            self._cache.put(mm_hash, tensor)
+            # stream ordered after the encoder), so vLLM freeing the entry is safe. It
+            # returns False on an internal failure (counted and logged there).
+            stored = self._cache.put(mm_hash, tensor)
         except Exception as exc:  # a failed save costs sharing, never the step
-            self.counters.inc("save_errors")
             self._log.warning("save", "ec_redis: cannot save %r: %r", mm_hash, exc)
+            stored = False
+        if not stored:
+            self.counters.inc("save_errors")
             return
         self._published.add(mm_hash)
         nbytes = tensor_nbytes(tensor)

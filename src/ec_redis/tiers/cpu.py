@@ -1,7 +1,9 @@
-"""CPU tier: a byte-bounded LRU of host copies (pooled pinned buffers when CUDA is present).
+"""CPU tier: a byte-bounded LRU of host copies (pinned pool blocks for copies from a GPU).
 
-A hit costs at most one copy: none on a CPU-only machine (the stored tensor is returned), one
-asynchronous host->device copy with CUDA. Evictions are dropped; Redis holds the entry.
+Each entry counts the bytes it really holds (its pool block, rounded up, or its tensor's whole
+storage). A hit costs at most one copy: none for plain host tensors read on the host, one
+asynchronous host->device copy with CUDA, a clone for pinned bytes read on the host (pool
+memory never escapes). Evictions are dropped; Redis holds the entry.
 """
 
 from __future__ import annotations
