@@ -222,3 +222,25 @@ def test_worker_stats_reach_vllm_through_the_scheduler_half_exactly_once(
         time.sleep(0.1)
     assert reported["saved_items"] == 3 and len(reported["save_seconds"]) == 3
     assert scheduler.stats_snapshot()["saved_items"] == 3  # cumulative view for tools
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(("backend", "cpu_tier"), [("uni", True), ("mp", False)])
+def test_a_worker_process_keeps_no_local_tier_nobody_reads(
+    redis_url: str, backend: str, cpu_tier: bool
+) -> None:
+    """In vLLM's multiprocess layout lookups happen in the scheduler's process: a worker
+    process's CPU tier would be memory nothing ever reads."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ec_redis.connector import ECRedisConnector
+
+    config = vllm_config("ec_producer", {"redis_url": redis_url, "cpu_cache_bytes": "64MiB"})
+    config.parallel_config.distributed_executor_backend = backend
+    worker = ECRedisConnector(config, ECConnectorRole.WORKER)
+    try:
+        assert worker._cache.cpu.enabled is cpu_tier
+        worker.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
+        assert worker._cache.flush(10)  # the write queue still publishes
+    finally:
+        worker.shutdown()

@@ -8,6 +8,7 @@ fails engine start-up with the key and an example); the model identity comes fro
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,10 @@ class ECRedisConnector(ECConnectorBase):
         config, options = parse_extra_config(extra)
         check_item_ids(vllm_config, options.trust_client_uuids)
         self.identity = model_identity(vllm_config, config)
+        if role == ECConnectorRole.WORKER and transport.workers_in_other_processes(vllm_config):
+            # Nothing ever reads a worker process's local tiers (lookups are the scheduler
+            # half's): it keeps only its write queue, not a second cpu_cache_bytes.
+            config = dataclasses.replace(config, cpu_cache_bytes=0, gpu_cache_bytes=0)
         self._cache = shared.acquire(config, self.identity)  # host reads: no CUDA (shared.py)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -12,7 +12,6 @@ that tensor's own device (the rank's), never ``config.device`` (``tiers/transfer
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
 
@@ -23,9 +22,6 @@ from ec_redis.keys import ModelIdentity
 HOST = torch.device("cpu")
 _lock = threading.Lock()
 _caches: dict[tuple[CacheConfig, ModelIdentity], tuple[TieredCache, int]] = {}
-# Worker halves by the cache they use: vLLM's V1 runner drops worker-side stats, so the
-# scheduler half in the same process reports them instead.
-_workers: dict[int, list[Any]] = {}
 
 
 def acquire(config: CacheConfig, identity: ModelIdentity) -> TieredCache:
@@ -54,23 +50,3 @@ def release(cache: TieredCache, timeout_s: float = 5.0) -> None:
             closing = True
     if closing:
         cache.close(timeout_s)
-
-
-def add_worker(cache: TieredCache, worker: Any) -> None:
-    with _lock:
-        _workers.setdefault(id(cache), []).append(worker)
-
-
-def remove_worker(cache: TieredCache, worker: Any) -> None:
-    with _lock:
-        workers = _workers.get(id(cache), [])
-        if worker in workers:
-            workers.remove(worker)
-        if not workers:
-            _workers.pop(id(cache), None)
-
-
-def workers_of(cache: TieredCache) -> list[Any]:
-    """Worker halves in this process that use ``cache``."""
-    with _lock:
-        return list(_workers.get(id(cache), []))

@@ -158,6 +158,14 @@ class FileTransport(InlineTransport):
             _remove(path)
 
 
+def workers_in_other_processes(vllm_config: Any) -> bool:
+    """Whether vLLM runs the workers outside the engine core's process (any executor but
+    ``uni`` and ``external_launcher``)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    return isinstance(backend, str) and backend not in ("uni", "external_launcher")
+
+
 def choose(vllm_config: Any, setting: str, directory: str) -> InlineTransport:
     """``auto``: files when vLLM runs the workers in other processes of this host (its
     ``mp`` executor on one node), inline otherwise (one process, or Ray across hosts)."""
