@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest.mock import Mock
@@ -65,3 +66,29 @@ def make_connector(redis_url: str) -> Iterator[Callable[..., Any]]:
     yield make
     for connector in made:
         connector.shutdown()
+
+
+def wait_ready(connector: Any, req: Any, timeout_s: float = 5.0) -> bool:
+    """Call ensure_cache_available like the scheduler does, step after step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if connector.ensure_cache_available(req, 0):
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def publish(
+    make: Callable[..., Any],
+    items: dict[str, torch.Tensor],
+    role: str = "ec_producer",
+    **kw: Any,
+) -> None:
+    """Save items the way a producer's worker does, wait until Redis has them, and shut the
+    producer down so its in-process cache is gone: later reads must come from Redis."""
+    worker = make(role, "worker", **kw)
+    cache = dict(items)
+    for mm_hash in items:
+        worker.save_caches(encoder_cache=cache, mm_hash=mm_hash)
+    assert worker._cache.flush(10)
+    worker.shutdown()

@@ -4,7 +4,6 @@ failure inside a save escapes ``save_caches``."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,20 +13,11 @@ import torch
 import ec_redis.connector.connector as connector_module
 from ec_redis.connector.metadata import ECRedisMetadata, LoadItem
 from tests.conftest import embedding
-from tests.connector.conftest import request
+from tests.connector.conftest import request, wait_ready
 from tests.fake_cuda import FakeCuda
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 Make = Callable[..., Any]
-
-
-def wait_ready(connector: Any, req: Any, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if connector.ensure_cache_available(req, 0):
-            return True
-        time.sleep(0.002)
-    return False
 
 
 def test_a_scheduler_half_makes_no_cuda_call_on_a_gpu_machine(

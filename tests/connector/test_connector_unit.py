@@ -13,33 +13,10 @@ import torch
 
 from ec_redis.errors import ConfigError
 from tests.conftest import embedding
-from tests.connector.conftest import request, vllm_config
+from tests.connector.conftest import publish, request, vllm_config, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 Make = Callable[..., Any]
-
-
-def wait_ready(connector: Any, req: Any, timeout_s: float = 5.0) -> bool:
-    """Call ensure_cache_available like the scheduler does, step after step."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if connector.ensure_cache_available(req, 0):
-            return True
-        time.sleep(0.002)
-    return False
-
-
-def publish(
-    make: Make, items: dict[str, torch.Tensor], role: str = "ec_producer", **kw: Any
-) -> None:
-    """Save items the way a producer's worker does, wait until Redis has them, and shut the
-    producer down so its in-process cache is gone: later reads must come from Redis."""
-    worker = make(role, "worker", **kw)
-    cache = dict(items)
-    for mm_hash in items:
-        worker.save_caches(encoder_cache=cache, mm_hash=mm_hash)
-    assert worker._cache.flush(10)
-    worker.shutdown()
 
 
 def test_consumer_loads_exactly_what_the_producer_saved(make_connector: Make) -> None:

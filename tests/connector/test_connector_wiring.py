@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import embedding, wait_for
-from tests.connector.conftest import request, vllm_config
-from tests.connector.test_connector_unit import wait_ready
+from tests.connector.conftest import request, vllm_config, wait_ready
 
 pytestmark = pytest.mark.vllm
 Make = Callable[..., Any]
