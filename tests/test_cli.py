@@ -11,7 +11,7 @@ import torch
 
 from ec_redis import TieredCache
 from ec_redis.cli.main import EXIT_OK, EXIT_PROBLEM, EXIT_REDIS, EXIT_USAGE, main
-from ec_redis.embedded import EmbeddedRedis, free_port
+from ec_redis.embedded import EmbeddedRedis, Flavor, free_port
 from tests.conftest import embedding
 
 pytestmark = pytest.mark.redis
@@ -49,22 +49,24 @@ def test_doctor_reports_warnings_but_passes_on_a_default_server(
     assert all(f["fix"] for f in findings if f["level"] != "ok")
 
 
-def test_doctor_is_clean_on_a_well_configured_server(capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_is_clean_on_a_well_configured_server(
+    capsys: pytest.CaptureFixture[str], server_flavor: Flavor
+) -> None:
     args = ("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
-    with EmbeddedRedis.start(extra_args=args) as server:
+    with EmbeddedRedis.start(server_flavor, extra_args=args) as server:
         code, findings, _ = cli(capsys, "doctor", "--redis-url", server.url, "--json")
     assert code == EXIT_OK
     assert [f for f in findings if f["level"] != "ok"] == []
 
 
 def test_doctor_fails_with_a_fix_when_redis_is_unreachable_or_refuses(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], server_flavor: Flavor
 ) -> None:
     code, findings, _ = cli(
         capsys, "doctor", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--json"
     )
     assert code == EXIT_PROBLEM and findings[-1]["level"] == "FAIL" and findings[-1]["fix"]
-    with EmbeddedRedis.start(extra_args=("--requirepass", "right")) as server:
+    with EmbeddedRedis.start(server_flavor, extra_args=("--requirepass", "right")) as server:
         url = server.url.replace("redis://", "redis://:wrong@")
         code, text, _ = cli(capsys, "doctor", "--redis-url", url)
     assert code == EXIT_PROBLEM and "FAIL" in text and "credentials" in text
@@ -186,9 +188,12 @@ def test_the_fakeredis_fallback_serves_megabyte_values() -> None:
     tensor = embedding(4096, 512, seed=11)  # 4 MiB: chunked, replies larger than socket buffers
     with EmbeddedRedis.start(prefer_fake=True) as server:
         assert "fakeredis" in server.kind
-        with TieredCache.from_config({"redis_url": server.url}) as writer:
+        # fakeredis serves from a thread of this process: on a busy machine a 4 MiB reply can
+        # take longer than the default 2 s socket timeout (this test checks that it comes)
+        config = {"redis_url": server.url, "redis_socket_timeout_s": 20.0}
+        with TieredCache.from_config(config) as writer:
             writer.put("big", tensor)
             assert writer.flush(30)
-        with TieredCache.from_config({"redis_url": server.url}) as reader:
+        with TieredCache.from_config(config) as reader:
             got = reader.get("big")
     assert got is not None and torch.equal(got, tensor)
