@@ -49,6 +49,17 @@ def test_doctor_reports_warnings_but_passes_on_a_default_server(
     assert all(f["fix"] for f in findings if f["level"] != "ok")
 
 
+def test_doctor_names_the_server_and_its_own_version(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis
+) -> None:
+    code, findings, _ = cli(capsys, "doctor", "--redis-url", redis_server.url, "--json")
+    assert code == EXIT_OK
+    (version,) = [f["detail"] for f in findings if f["check"] == "version"]
+    assert redis_server.binary is not None
+    product = {"redis": "Redis", "valkey": "Valkey"}[redis_server.binary.flavor]
+    assert version.startswith(f"{product} {redis_server.binary.version}")  # not Valkey's 7.2.4
+
+
 def test_doctor_is_clean_on_a_well_configured_server(
     capsys: pytest.CaptureFixture[str], server_flavor: Flavor
 ) -> None:
