@@ -40,6 +40,16 @@ INSTALL_HINT: dict[Flavor, str] = {
 }
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which client library and which server binaries this run tests."""
+    found = {flavor: ServerBinary.find(flavor) for flavor in FLAVORS}
+    servers = ", ".join(
+        f"{binary.name} {binary.version} ({binary.path})" if binary else f"{flavor}: none"
+        for flavor, binary in found.items()
+    )
+    return [f"redis-py {redis.__version__} ({os.path.dirname(redis.__file__)})", servers]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One run per server flavor for every test that needs ``server_flavor`` (not vLLM's)."""
     if "server_flavor" not in metafunc.fixturenames:
