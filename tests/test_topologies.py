@@ -2,7 +2,8 @@
 killed) and Sentinel (a master killed, the same cache following the promoted replica).
 
 Real processes on loopback: one 3-master/3-replica cluster and one master/replica/3-Sentinel
-set-up for the whole module. Local tiers are off, so every read after a flush goes to Redis.
+set-up per server flavor (redis-server, then valkey-server: every test runs on both). Local
+tiers are off, so every read after a flush goes to Redis.
 Whatever a test does to a topology, no exception may escape the cache, and every tensor read
 must be bit-exact; during a failover a read may miss, never return a wrong tensor.
 """
@@ -19,7 +20,7 @@ import torch
 from redis.crc import key_slot
 
 from ec_redis import TieredCache
-from ec_redis.embedded import EmbeddedCluster, EmbeddedSentinel, free_port
+from ec_redis.embedded import EmbeddedCluster, EmbeddedSentinel, Flavor, free_port
 from tests.conftest import bits
 
 pytestmark = pytest.mark.redis
@@ -167,8 +168,8 @@ def replicated(port: int, replica: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster_setup() -> Iterator[EmbeddedCluster]:
-    with EmbeddedCluster.start(masters=3, replicas_per_master=1) as cluster:
+def cluster_setup(server_flavor: Flavor) -> Iterator[EmbeddedCluster]:
+    with EmbeddedCluster.start(masters=3, replicas_per_master=1, flavor=server_flavor) as cluster:
         yield cluster
 
 
@@ -380,8 +381,8 @@ def test_cluster_master_killed(cluster: EmbeddedCluster, caches: Caches) -> None
 
 
 @pytest.fixture(scope="module")
-def sentinel_setup() -> Iterator[EmbeddedSentinel]:
-    with EmbeddedSentinel.start("ecmaster") as setup:
+def sentinel_setup(server_flavor: Flavor) -> Iterator[EmbeddedSentinel]:
+    with EmbeddedSentinel.start("ecmaster", flavor=server_flavor) as setup:
         yield setup
 
 

@@ -68,7 +68,15 @@ class SentinelMasterClient(redis.Redis):
             super().close()
         finally:
             pool: Any = self.connection_pool  # a SentinelConnectionPool (master_for made it)
-            pool.sentinel_manager.close()
+            # what Sentinel.close() does from redis-py 8.1 on (older ones have no such method)
+            first: Exception | None = None
+            for sentinel in pool.sentinel_manager.sentinels:
+                try:
+                    sentinel.close()
+                except Exception as exc:  # close the others anyway
+                    first = first or exc
+            if first is not None:
+                raise first
 
 
 def make_client(config: CacheConfig) -> Any:

@@ -22,7 +22,7 @@ def plot(reports: list[Report], path: str) -> None:
         raise ECRedisError("--plot needs matplotlib: pip install 'ec_redis[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     for report in reports:
-        where = "cluster" if "Cluster" in report.server else "1 node"
+        where = report.name or report.server
         for op, label in SERIES:
             rows = [r for r in report.rows if r.op == op]
             ours = [r.gbps for r in rows]

@@ -35,8 +35,9 @@ class CodecRow:
 
 @dataclass
 class Report:
-    server: str
+    server: str  # what was measured, in full (binary, version, topology, URL)
     machine: str
+    name: str = ""  # a short name for tables and plots, e.g. "valkey-server 9.1.2, cluster"
     rows: list[Row] = field(default_factory=list)
     codecs: list[CodecRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

@@ -33,13 +33,14 @@ def run(
     url: str,
     server: str,
     *,
+    name: str = "",
     quick: bool = False,
     repeat: int = 5,
     chunk_bytes: int = 4 * 1024 * 1024,
     codecs: bool = True,
     progress: Progress = _stderr,
 ) -> Report:
-    report = Report(server=server, machine=_machine())
+    report = Report(server=server, machine=_machine(), name=name or server)
     items = QUICK_ITEMS if quick else ITEMS
     raw = raw_client(url)
     config = CacheConfig(redis_url=url, compression="none", chunk_bytes=chunk_bytes)

@@ -194,16 +194,18 @@ def purge(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from ec_redis.bench.report import render
     from ec_redis.bench.runner import run
+    from ec_redis.bench.targets import targets
 
     _config(args)
     chunk_bytes = parse_bytes(args.chunk_bytes)
     repeat = 3 if args.quick and args.repeat == 5 else args.repeat
     reports = []
-    for url, label in _bench_targets(args):
+    for url, label, name in targets(args.redis_url, args.topology, args.server, _err):
         reports.append(
             run(
                 url,
                 label,
+                name=name,
                 quick=args.quick,
                 repeat=repeat,
                 chunk_bytes=chunk_bytes,
@@ -223,6 +225,10 @@ def bench(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print("\n\n".join(render(r) for r in reports))
+    if len(reports) > 1:
+        from ec_redis.bench.report import render_comparison
+
+        print("\n" + render_comparison(reports))
     if hooks is not None:
         from ec_redis.connector.bench import render as render_hooks
 
@@ -297,22 +303,6 @@ def _bench_hooks(args: argparse.Namespace, quick: bool, runs: int) -> list[Any]:
     with _embedded_url(args) as url:
         rows: list[Any] = hooks.run(url, QUICK_ITEMS if quick else ITEMS, runs, _err)
         return rows
-
-
-def _bench_targets(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    if args.redis_url:
-        yield args.redis_url, f"{args.redis_url} (given)"
-        return
-    from ec_redis.embedded import EmbeddedCluster, EmbeddedRedis
-
-    if args.topology in ("standalone", "both"):
-        with EmbeddedRedis.start() as server:
-            _err(f"ec-redis: using {server.kind}")
-            yield server.url, server.kind
-    if args.topology in ("cluster", "both"):
-        with EmbeddedCluster.start() as cluster:
-            _err(f"ec-redis: using an embedded 3-master cluster ({cluster.url})")
-            yield cluster.url, f"embedded Redis Cluster, 3 masters + 3 replicas ({cluster.url})"
 
 
 def _progress(verb: str) -> Any:

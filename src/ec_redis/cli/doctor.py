@@ -61,12 +61,16 @@ def _server(client: Any, kind: str) -> list[Finding]:
     version = str(info.get("redis_version", "?"))
     major = int(version.split(".")[0]) if version[:1].isdigit() else 0
     level = OK if major >= 6 else FAIL
+    # Valkey reports the Redis version it is compatible with (7.2.4) as redis_version
+    server = f"Redis {version}"
+    if "valkey_version" in info:
+        server = f"Valkey {info['valkey_version']} (redis_version {version})"
     out = [
         Finding(
             level,
             "version",
-            f"Redis {version}",
-            "" if level == OK else "ec_redis needs Redis >= 6.2 (GETEX, UNLINK)",
+            server,
+            "" if level == OK else "ec_redis needs Redis >= 6.2 or Valkey (GETEX, UNLINK)",
         )
     ]
     if kind == "cluster":

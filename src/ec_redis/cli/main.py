@@ -24,6 +24,7 @@ EPILOG = """examples:
   ec-redis purge  --redis-url redis://cache:6379/0 --namespace ecr --yes
   ec-redis bench  --quick --compare --plot docs/throughput.png
   ec-redis fingerprint /models/current            # the weights part of the model identity
+  ec-redis bench  --server both --topology both   # redis-server and valkey-server
 Any configuration key can be given as --set KEY=VALUE (e.g. --set tls_ca_file=/ca.crt).
 exit codes: 0 ok, 1 problem found, 2 bad usage/config, 3 Redis unreachable or refusing us
 """
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("standalone", "cluster", "both"),
         default="standalone",
         help="embedded topology (without --redis-url)",
+    )
+    bench.add_argument(
+        "--server",
+        choices=("redis", "valkey", "both"),
+        help="embedded server binary (without --redis-url; default: every one installed, "
+        "redis-server and valkey-server side by side)",
     )
     bench.add_argument(
         "--compare",
