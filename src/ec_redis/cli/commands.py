@@ -88,6 +88,18 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_logs_to_stderr(level: str | None = None) -> None:
+    """Keep stdout for our tables and JSON when vLLM runs in this process (it logs to stdout);
+    set before vLLM is first imported. Explicit VLLM_LOGGING_* settings win."""
+    import logging
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if level is not None:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+        logging.getLogger("torch._library.triton").setLevel(level)  # "Triton not available"
+
+
 def doctor(args: argparse.Namespace) -> int:
     from ec_redis.cli import doctor as checks
 
@@ -244,6 +256,7 @@ def bench_connector(args: argparse.Namespace) -> int:
 
 
 def _bench_scheduler(args: argparse.Namespace) -> int:
+    _vllm_logs_to_stderr()
     try:
         from ec_redis.connector import sched_bench
     except ImportError as exc:
@@ -289,6 +302,7 @@ def bench_fingerprint(args: argparse.Namespace) -> int:
 def _bench_hooks(args: argparse.Namespace, quick: bool, runs: int) -> list[Any]:
     from ec_redis.bench.workload import ITEMS, QUICK_ITEMS
 
+    _vllm_logs_to_stderr()
     try:
         from ec_redis.connector import bench as hooks
     except ImportError as exc:
