@@ -14,7 +14,7 @@ its own process: vLLM's worker-side EC connector is a process-wide singleton. Th
 With ``turns``, the engine starts, says ``WAITING_FOR_TURN`` and then answers the warm-up
 (step 0) and each request (step k) only once ``<turns>/go-<k>`` (or ``<turns>/go-all``)
 exists, creating ``<turns>/done-<k>`` after it: the parent starts engines side by side and
-still decides who runs when, so the engines it compares take turns on a quiet machine.
+still decides who runs when, so that only one engine works at any moment.
 Phases go to PROGRESS.log as they happen (one line each, for the parent to relay); vLLM's
 own logging goes to this process's stdout/stderr, which the parent sends to a file. The
 engine settings below are shared with the end-to-end tests (``tests/e2e/run_engine.py``).

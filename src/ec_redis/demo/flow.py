@@ -23,6 +23,7 @@ from typing import Any
 from ec_redis.demo import launcher
 from ec_redis.demo.report import build_report, render
 from ec_redis.demo.tiny_model import build_tiny_llava
+from ec_redis.redis_url import mask_url
 
 Say = Callable[[str], None]
 ENGINES_TIMEOUT_S = 1800  # start-up of three engines on a slow, shared 2-core machine
@@ -58,7 +59,7 @@ def run(redis_url: str, run_dir: Path, say: Say) -> dict[str, Any]:
             width=100,
         )
     )
-    say(f"  Redis: {redis_url} (namespace {namespace})")
+    say(f"  Redis: {mask_url(redis_url)} (namespace {namespace})")
     say(f"  files: {run_dir} (the model; each engine's vLLM log in <engine>/engine.log)")
     say(f"{launcher.stamp(started)}building a tiny random-weight LLaVA model (no download) ...")
     model = build_tiny_llava(run_dir / "model")
@@ -85,7 +86,7 @@ def run(redis_url: str, run_dir: Path, say: Say) -> dict[str, Any]:
         results.update(baseline=runner.finish("baseline"), pd=runner.finish("pd"))
     report = build_report(results, [asdict(r) for r in REQUESTS])
     report.update(
-        redis_url=redis_url,
+        redis_url=mask_url(redis_url),
         namespace=namespace,
         run_dir=str(run_dir),
         model=str(model),

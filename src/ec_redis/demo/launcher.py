@@ -30,8 +30,8 @@ POLL_S = 0.2
 
 
 class EngineFailed(RuntimeError):
-    """An engine exited with an error or ran past its deadline; the message ends with the
-    tail of its stderr and names the log."""
+    """An engine exited with an error or ran past its deadline; the message names its log and
+    ends with the log's tail."""
 
 
 @dataclass
@@ -142,7 +142,8 @@ class Runner:
                 if not engine.running and not (engine.dir / "out.json").exists():
                     raise engine.failure(f"exited with {engine.process.returncode}")
             if time.monotonic() > self.deadline:
-                late = next(e for e in self.engines.values() if e.running)
+                running = [e for e in self.engines.values() if e.running]
+                late = (running or list(self.engines.values()))[0]
                 raise late.failure(f"was still at '{late.last_line}' after {self.timeout_s:.0f} s")
             if time.monotonic() - last_said > QUIET_S:
                 busy = [e for e in self.engines.values() if e.running]
