@@ -162,7 +162,7 @@ def private_redis(server_flavor: Flavor) -> Iterator[EmbeddedRedis]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny LLaVA model (seed 0), built once per session; needs transformers (vLLM's)."""
-    from tests.e2e.tiny_model import build_tiny_llava
+    from ec_redis.demo.tiny_model import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny_models", seed=0)
 

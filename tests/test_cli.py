@@ -233,10 +233,11 @@ def test_demo_without_vllm_shows_the_cache_alone(
 ) -> None:
     import sys
 
-    monkeypatch.setitem(sys.modules, "ec_redis.connector.bench", None)  # as if vLLM were absent
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were absent
+    monkeypatch.setitem(sys.modules, "ec_redis.connector.bench", None)
     code, report, err = cli(capsys, "demo", "--redis-url", redis_url, "--json")
     assert code == EXIT_OK and report["mode"] == "cache"
-    assert "vLLM is not installed" in err
+    assert "vLLM is not installed, so no engine can run: showing --hooks-only" in err
     assert report["pd_stats"]["redis"]["hits"] == 2  # first reads came from Redis
     assert report["pd_stats"]["cpu"]["hits"] == 2  # second reads from the CPU tier
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ec_redis.demo.tiny_model import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS
 from tests.connector.simulated_worker import (
     DriverStats,
     EngineDied,
@@ -29,7 +30,6 @@ from tests.connector.simulated_worker import (
     SimulatedWorker,
     truth,
 )
-from tests.e2e.tiny_model import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,26 +1,171 @@
-"""``ec-redis demo``: the README's first command, on an embedded Redis."""
+"""``ec-redis demo``: the README's first command — three real vLLM engines on an embedded
+Redis — its report, and the quick ``--hooks-only`` walk."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+from ec_redis.demo.report import build_report, render
+from ec_redis.demo.tiny_model import build_tiny_llava
+
+# One real demo run takes about 70 s on a busy 2-core machine; the bound is generous.
+DEMO_TIMEOUT_S = 600
 
 
-def test_demo_runs_encoder_to_pd_through_the_connector_on_an_embedded_redis() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "ec_redis.cli.main", "demo", "--json"],
+def ec_redis(*args: str, timeout_s: float = DEMO_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ec_redis.cli.main", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout_s,
     )
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """One real demo run on the embedded Redis it starts itself: (JSON report, stderr)."""
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    out = ec_redis("demo", "--json", "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-4000:]
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report, out.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.redis
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
+def test_pd_answers_like_the_baseline_with_embeddings_from_redis(
+    demo: tuple[dict[str, Any], str],
+) -> None:
+    report, stderr = demo
+    assert report["mode"] == "engines"
+    first, second, repeat = report["requests"]
+    assert [r["identical"] for r in report["requests"]] == [True, True, True]
+    for row in (first, second):  # new images: the encoder saved them, PD loaded them
+        assert row["encoder"] == {"encoder_passes": 1, "saved_items": 1}
+        assert row["pd"]["tier"] == "redis" and row["pd"]["loaded_items"] == 1
+        assert row["pd"]["encoder_passes"] == 0
+        assert row["baseline"]["encoder_passes"] == 1  # the probe does count real passes
+    assert second["uuid"] == "demo-image-b"
+    # The repeat: PD's CPU tier had it from request 1 and vLLM still held it itself.
+    assert repeat["image_seed"] == first["image_seed"]
+    assert repeat["pd"]["tier"] == "cpu" and repeat["pd"]["encoder_passes"] == 0
+    assert report["pd_connector_totals"]["scheduler"].get("local_fallbacks", 0) == 0
+    assert all(r["pd"]["ttft_s"] > 0 and r["baseline"]["ttft_s"] > 0 for r in report["requests"])
+    assert all(e["shutdown_errors"] == [] for e in report["engines"].values())
+    # It said which Redis it used, showed engine progress and left vLLM's logs in files.
+    assert "embedded" in stderr and "pd: engine ready" in stderr
+    for name in ("encoder", "baseline", "pd"):
+        log = Path(report["run_dir"]) / name / "engine.log"
+        assert "LlavaForConditionalGeneration" in log.read_text()  # vLLM's own lines
+    assert "bit-identical" in stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.redis
+def test_hooks_only_drives_the_connector_hooks_through_redis(redis_url: str) -> None:
+    out = ec_redis("demo", "--hooks-only", "--redis-url", redis_url, "--json", timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
-    assert report["mode"] == "connector"
-    assert len(report["items"]) == 2
+    assert report["mode"] == "connector" and len(report["items"]) == 2
     assert report["pd_counters"]["hits_redis"] == 2  # the PD side read both from Redis
-    assert "embedded" in out.stderr  # it said which server it used
+    assert "PD took 2 of 2 items from Redis" in out.stderr
+    assert "misses" not in out.stderr  # no unexplained counters
+
+
+def fake_results() -> dict[str, dict[str, Any]]:
+    """Engine results shaped like ``ec_redis.demo.engine``'s, for one request."""
+    output = {"prompt_token_ids": [1, 4, 9], "prompt_logprobs": [None, -1.5, -0.25],
+              "prompt_topk": [None, [[4, -1.5]], [[9, -0.25]]], "token_ids": [7, 7],
+              "text": "ok", "ttft_s": 0.02, "wall_s": 0.03}  # fmt: skip
+    counters = {
+        "encoder": {"worker": {"saved_items": 1}},
+        "baseline": {},
+        "pd": {"scheduler": {"hits_redis": 1}, "worker": {"loaded_items": 1}},
+    }
+    passes = {"encoder": 1, "baseline": 1, "pd": 0}
+    results = {}
+    for name in ("encoder", "baseline", "pd"):
+        request = {**copy.deepcopy(output), "encoder_passes": passes[name]}
+        results[name] = {
+            "requests": [{**request, "counters": counters[name]}],
+            "connector_totals": {},
+            "engine_start_s": 1.0,
+            "total_s": 2.0,
+            "shutdown_errors": [],
+        }
+    return results
+
+
+REQUEST = {"label": "image A", "image_seed": 0, "question": "?", "uuid": None}
+
+
+def test_the_report_says_where_pd_got_each_embedding() -> None:
+    report = build_report(fake_results(), [REQUEST])
+    row = report["requests"][0]
+    assert row["identical"] and report["all_identical"]
+    assert row["pd"]["tier"] == "redis" and row["pd"]["served_by"] == "connector (redis tier)"
+    text = "\n".join(render({**report, "wall_s": 1.0, "run_dir": "/tmp/x"}))
+    assert (
+        "PD ran its vision encoder 0 times for 1 image request: 1 embedding came from Redis" in text
+    )
+    assert "bit-identical" in text
+
+
+@pytest.mark.parametrize("field", ["prompt_logprobs", "prompt_topk", "token_ids"])
+def test_the_report_flags_a_pd_output_that_differs_from_the_baseline(field: str) -> None:
+    results = fake_results()
+    pd_output = results["pd"]["requests"][0]
+    if field == "token_ids":
+        pd_output["token_ids"] = [7, 8]
+    else:
+        pd_output[field][2] = -0.5 if field == "prompt_logprobs" else [[9, -0.5]]
+    report = build_report(results, [REQUEST])
+    assert not report["requests"][0]["identical"] and report["all_identical"] is False
+    text = "\n".join(render({**report, "wall_s": 1.0, "run_dir": "/tmp/x"}))
+    assert "PROBLEM: PD's output differs from the baseline's for request(s) 1" in text
+
+
+def test_the_demo_kit_imports_without_vllm_transformers_or_pillow() -> None:
+    code = (
+        "import sys\n"
+        "for name in ('vllm', 'transformers', 'tokenizers', 'PIL'):\n"
+        "    sys.modules[name] = None\n"
+        "import ec_redis.demo.tiny_model, ec_redis.demo.probes, ec_redis.demo.engine\n"
+        "import ec_redis.demo.launcher, ec_redis.demo.flow, ec_redis.demo.report\n"
+        "import ec_redis.demo.hooks\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.vllm  # transformers comes with vLLM
+def test_the_tiny_model_takes_head_counts_for_tensor_parallel(tmp_path: Path) -> None:
+    default = build_tiny_llava(tmp_path)
+    stale = tmp_path / "tiny-llava-s0-h4kv2"
+    stale.mkdir()
+    (stale / "leftover").write_text("an interrupted build of long ago")
+    wide = build_tiny_llava(tmp_path, num_attention_heads=4, num_key_value_heads=2)
+    assert default.name == "tiny-llava-s0" and wide == stale
+    assert not (wide / "leftover").exists()  # replaced whole, never built into
+    shapes = {}
+    for model in (default, wide):
+        config = json.loads((model / "config.json").read_text())
+        text, vision = config["text_config"], config["vision_config"]
+        shapes[model.name] = (
+            text["num_attention_heads"],
+            text["num_key_value_heads"],
+            vision["num_attention_heads"],
+        )
+    # The default shape is the one every e2e baseline is built from.
+    assert shapes == {"tiny-llava-s0": (2, 1, 2), "tiny-llava-s0-h4kv2": (4, 2, 4)}
+    assert build_tiny_llava(tmp_path) == default  # a finished build is reused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llava-s0", "tiny-llava-s0-h4kv2"]

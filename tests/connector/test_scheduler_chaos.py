@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ec_redis.demo.tiny_model import NUM_IMAGE_TOKENS
 from ec_redis.embedded import EmbeddedRedis
 from tests.connector.scheduler_driver import (
     EngineDriver,
@@ -32,7 +33,6 @@ from tests.connector.scheduler_driver import (
     publish,
 )
 from tests.connector.simulated_worker import Failure
-from tests.e2e.tiny_model import NUM_IMAGE_TOKENS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.tiny_model import RAW_PROMPT, build_tiny_llava
+from ec_redis.demo.tiny_model import RAW_PROMPT, build_tiny_llava
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_CHARS = 6000

@@ -35,38 +35,22 @@ import argparse
 import atexit
 import importlib
 import json
-import logging
 import os
 import sys
 import time
 import traceback
 from typing import Any
 
-# One in-process engine; no torch.compile (22 s on the first logprobs request, same
-# results); never ask a model hub for anything (a bad model path fails instead).
-DEFAULT_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "TORCHDYNAMO_DISABLE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}
-DEFAULT_LLM_KWARGS: dict[str, Any] = {
-    "distributed_executor_backend": "uni",
-    "dtype": "bfloat16",
-    "enforce_eager": True,
-    "max_model_len": 256,
-    "max_num_seqs": 4,
-    "max_num_batched_tokens": 256,
-    "kv_cache_memory_bytes": 64 << 20,
-    "limit_mm_per_prompt": {"image": 1},
-    "seed": 0,
-}
-DEFAULT_SAMPLING: dict[str, Any] = {
-    "temperature": 0.0,
-    "max_tokens": 4,
-    "prompt_logprobs": 1,
-    "seed": 0,
-}
+# The engine settings, the output summary and the shutdown order are the demo's.
+from ec_redis.demo.engine import (
+    DEFAULT_ENV,
+    DEFAULT_LLM_KWARGS,
+    DEFAULT_SAMPLING,
+    connector_stats,
+    exit_now,
+    shutdown,
+    summarize,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +78,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import ECTransferConfig
 
-    from tests.e2e.tiny_model import make_image
+    from ec_redis.demo.tiny_model import make_image
 
     llm_kwargs = {**DEFAULT_LLM_KWARGS, **spec.get("llm_kwargs", {})}
     if spec.get("ec_transfer_config") is not None:
@@ -112,7 +96,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     timings["engine_init"] = time.perf_counter() - started - timings["import"]
     try:
         if spec.get("count_encoder_passes"):
-            from tests.e2e import probes
+            from ec_redis.demo import probes
 
             llm.apply_model(probes.count_encoder_passes)
         tokenizer = llm.get_tokenizer()
@@ -123,38 +107,23 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, sampling, use_tqdm=False)
             timings["rounds"].append(time.perf_counter() - t0)
-            results.append([_summarize(out) for out in outputs])
-        connector_stats = _connector_stats(llm)
+            results.append([summarize(out) for out in outputs])
+        stats = connector_stats(llm)
         encoder_passes = (
             sum(llm.apply_model(probes.images_encoded))
             if spec.get("count_encoder_passes")
             else None
         )
     finally:
-        shutdown_errors = _shutdown(llm)
+        shutdown_errors = shutdown(llm)
     timings["total"] = time.perf_counter() - started
     return {
         "rounds": results,
-        "connector_stats": connector_stats,
+        "connector_stats": stats,
         "encoder_passes": encoder_passes,
         "shutdown_errors": shutdown_errors,
         "timings_s": timings,
     }
-
-
-def _connector_stats(llm: Any) -> dict[str, Any]:
-    """Cumulative counters of both connector halves, when the connector offers them (the
-    scheduler half lives in the in-process engine core, the worker half is vLLM's singleton)."""
-    from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
-
-    out: dict[str, Any] = {}
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    scheduler = getattr(getattr(core, "scheduler", None), "ec_connector", None)
-    if scheduler is not None and hasattr(scheduler, "stats_snapshot"):
-        out["scheduler"] = scheduler.stats_snapshot()
-    if has_ec_transfer() and hasattr(get_ec_transfer(), "stats_snapshot"):
-        out["worker"] = get_ec_transfer().stats_snapshot()
-    return out
 
 
 def _engine_prompt(req: dict[str, Any], tokenizer: Any, make_image: Any) -> dict[str, Any]:
@@ -175,61 +144,8 @@ def _engine_prompt(req: dict[str, Any], tokenizer: Any, make_image: Any) -> dict
     return prompt
 
 
-def _summarize(out: Any) -> dict[str, Any]:
-    completion = out.outputs[0] if out.outputs else None
-    prompt_ids = list(out.prompt_token_ids or [])
-    chosen: list[float | None] = []
-    topk: list[list[list[float]] | None] = []
-    for pos, entry in enumerate(out.prompt_logprobs or []):
-        if entry is None:  # the first prompt token has no logprob
-            chosen.append(None)
-            topk.append(None)
-            continue
-        chosen.append(float(entry[prompt_ids[pos]].logprob))
-        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank, kv[0]))
-        topk.append([[tok, float(lp.logprob)] for tok, lp in ranked])
-    return {
-        "prompt_token_ids": prompt_ids,
-        "token_ids": list(completion.token_ids) if completion else [],
-        "text": completion.text if completion else "",
-        "finish_reason": completion.finish_reason if completion else None,
-        "prompt_logprobs": chosen if out.prompt_logprobs is not None else None,
-        "prompt_topk": topk if out.prompt_logprobs is not None else None,
-    }
-
-
-def _shutdown(llm: Any) -> list[str]:
-    """Engine core first (executor, then the scheduler-side connector), then the worker-side
-    connector singleton. Errors are printed and returned, not raised."""
-    from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
-
-    # LLM has no shutdown() in vLLM 0.32; its in-process engine core does.
-    engine_shutdown = getattr(llm, "shutdown", None) or llm.llm_engine.engine_core.shutdown
-    errors = []
-    for step in (engine_shutdown, ensure_ec_transfer_shutdown):
-        try:
-            step()
-        except Exception:
-            traceback.print_exc()
-            errors.append(traceback.format_exc())
-    return errors
-
-
-def _skip_module_teardown(exit_code: list[int]) -> None:
-    """End the process once every atexit handler has run, skipping module teardown.
-
-    Tearing down vLLM's and torch's modules takes about 2 s per engine and does nothing a
-    test needs. Non-daemon threads have been joined and every other atexit handler (vLLM's,
-    a connector's) has run by now; only ``__del__`` methods of module globals are skipped.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code[0])
-
-
 if __name__ == "__main__":
     exit_code = [1]  # an uncaught exception leaves 1
-    atexit.register(_skip_module_teardown, exit_code)  # registered first, so it runs last
+    atexit.register(lambda: exit_now(exit_code[0]))  # registered first, so it runs last
     exit_code[0] = main()
     sys.exit(exit_code[0])

@@ -20,9 +20,9 @@ import pytest
 import redis
 import requests
 
+from ec_redis.demo.tiny_model import image_data_url, make_image
 from ec_redis.embedded import EmbeddedRedis
 from tests.e2e.harness import ApiServer, requires_vllm, stop_servers, wait_healthy
-from tests.e2e.tiny_model import image_data_url, make_image
 
 pytestmark = [*requires_vllm, pytest.mark.redis]
 

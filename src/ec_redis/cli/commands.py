@@ -69,6 +69,10 @@ def _err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
 def _print(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2, default=str) if args.json else text)
 
@@ -77,15 +81,63 @@ def _print(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from ec_redis.cli import demo as flow
-
     _config(args)  # validates --set
+    say = _err if args.json else _say
+    hooks_only = args.hooks_only
+    if not hooks_only and not _has_vllm():
+        _err("ec-redis: vLLM is not installed, so no engine can run: showing --hooks-only")
+        hooks_only = True
     with _embedded_url(args) as url:
-        say = _err if args.json else print
-        report = flow.run(url, say)
+        if hooks_only:
+            from ec_redis.demo import hooks
+
+            _vllm_logs_to_stderr("ERROR")  # the walk's lines, not vLLM's config warnings
+            report = hooks.run(url, say)
+        else:
+            from ec_redis.demo.launcher import EngineFailed
+
+            try:
+                report = _demo_engines(url, args.run_dir, say)
+            except EngineFailed as exc:
+                _err(f"ec-redis demo: {exc}")
+                return 1
     if args.json:
         print(json.dumps(report, indent=2, default=str))
-    return 0
+    return 1 if report.get("all_identical") is False else 0  # 1: a problem was found
+
+
+def _vllm_logs_to_stderr(level: str | None = None) -> None:
+    """Keep stdout for our tables and JSON when vLLM runs in this process (it logs to stdout);
+    set before vLLM is first imported. Explicit VLLM_LOGGING_* settings win."""
+    import logging
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if level is not None:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+        logging.getLogger("torch._library.triton").setLevel(level)  # "Triton not available"
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _demo_engines(url: str, run_dir: str | None, say: Any) -> dict[str, Any]:
+    import tempfile
+    from pathlib import Path
+
+    from ec_redis.demo import flow
+
+    if run_dir is None:
+        path = Path(tempfile.mkdtemp(prefix="ec-redis-demo-"))
+    else:
+        path = Path(run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        if any(path.iterdir()):
+            raise ECRedisError(f"--run-dir {path} is not empty (give a new or empty folder)")
+    return flow.run(url, path, say)
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -250,6 +302,7 @@ def bench_connector(args: argparse.Namespace) -> int:
 
 
 def _bench_steps(args: argparse.Namespace) -> int:
+    _vllm_logs_to_stderr()
     try:
         from ec_redis.connector import meta_bench, sched_bench
     except ImportError as exc:
@@ -296,6 +349,7 @@ def bench_fingerprint(args: argparse.Namespace) -> int:
 def _bench_hooks(args: argparse.Namespace, quick: bool, runs: int) -> list[Any]:
     from ec_redis.bench.workload import ITEMS, QUICK_ITEMS
 
+    _vllm_logs_to_stderr()
     try:
         from ec_redis.connector import bench as hooks
     except ImportError as exc:

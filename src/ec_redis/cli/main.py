@@ -16,7 +16,7 @@ from ec_redis.errors import ConfigError, ECRedisError, RedisSetupError
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
 
 EPILOG = """examples:
-  ec-redis demo                                   # embedded Redis, encoder -> PD flow
+  ec-redis demo                                   # embedded Redis, encoder -> PD engines
   ec-redis doctor --redis-url redis://cache:6379/0
   ec-redis stats  --redis-url redis+cluster://h1:7000,h2:7001 --json
   ec-redis ls     --redis-url redis://cache:6379/0 --namespace ecr --limit 20
@@ -61,7 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         return p
 
-    command("demo", "encoder -> Redis -> prefill/decode through the connector", "embedded")
+    demo = command(
+        "demo",
+        "real vLLM engines on a tiny local model: encoder -> Redis -> prefill/decode, "
+        "checked against a baseline engine",
+        "embedded",
+    )
+    demo.add_argument(
+        "--hooks-only",
+        action="store_true",
+        help="no engines: drive the connector hooks in vLLM's order (the cache alone without "
+        "vLLM); seconds instead of minutes",
+    )
+    demo.add_argument(
+        "--run-dir", help="keep the model and the engines' logs here (default: a new temp dir)"
+    )
     command("doctor", "check connectivity, TLS, auth, version, topology, memory policy")
     stats = command("stats", "entries, bytes and compression per namespace/model")
     stats.add_argument("--metrics-url", help="also show live vllm:ec_redis_* counters from here")

@@ -4,18 +4,21 @@ ECExampleConnector (safetensors files on local disk), in one run on the same mac
 Per item: producer ``save_caches`` -> (consumer scheduler) ``ensure_cache_available`` until
 ready -> ``has_cache_item`` -> ``update_state_after_alloc`` -> ``build_connector_meta`` ->
 (consumer worker) ``bind`` + ``start_load_caches`` + ``clear``. Reports p50/p99 per hook and
-the time from ``save_caches`` returning to the item being loadable.
+the time from ``save_caches`` returning to the item being loadable. The connectors get a real
+``VllmConfig`` (vLLM's ``EngineArgs`` over the demo's tiny LLaVA, built in a temporary
+directory), with ``embed_width`` set to the items' width.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-from unittest.mock import Mock
 
 import torch
 
@@ -54,37 +57,51 @@ class HookRow:
     p99_ms: float
 
 
-def _vllm_config(connector: str, role: str, extra: dict[str, Any], width: int) -> Any:
-    from vllm.config import ECTransferConfig, VllmConfig
+def engine_config(model_dir: Path) -> Any:
+    """A real ``VllmConfig`` for the model in ``model_dir``, as a CPU engine would get it
+    (no engine starts; nothing is downloaded)."""
+    from vllm.engine.arg_utils import EngineArgs
 
-    config = Mock(spec=VllmConfig)
-    module = "ec_redis.connector" if connector == "ECRedisConnector" else None
-    config.ec_transfer_config = ECTransferConfig(
-        ec_connector=connector, ec_connector_module_path=module, ec_role=role,
-        ec_connector_extra_config=extra,
-    )  # fmt: skip
-    config.model_config = Mock(model="bench-model", revision=None, dtype=torch.bfloat16)
-    config.model_config.get_hidden_size = Mock(return_value=width)
-    return config
+    return EngineArgs(
+        model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256
+    ).create_engine_config()
 
 
 def build_connectors(name: str, extra: dict[str, Any], width: int) -> tuple[Any, Any, Any]:
-    """An encoder's worker half, and a PD instance's scheduler and worker halves."""
+    """An encoder's worker half, and a PD instance's scheduler and worker halves, for items
+    ``width`` wide."""
+    from vllm.config import ECTransferConfig
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
-    def make(role: str, side: ECConnectorRole, more: dict[str, Any]) -> Any:
-        config = _vllm_config(name, role, {**extra, **more}, width)
-        return ECConnectorFactory.get_connector_class(config.ec_transfer_config)(config, side)
+    from ec_redis.demo.tiny_model import build_tiny_llava
 
-    # The producer gets its own in-process cache (another producer_id), so every load
-    # below really crosses Redis, as between two instances.
-    producer_extra = {"producer_id": "bench-encoder"} if name == "ECRedisConnector" else {}
-    return (
-        make("ec_producer", ECConnectorRole.WORKER, producer_extra),
-        make("ec_consumer", ECConnectorRole.SCHEDULER, {}),
-        make("ec_consumer", ECConnectorRole.WORKER, {}),
-    )
+    with tempfile.TemporaryDirectory(prefix="ec_redis_bench_model_") as tmp:
+        # The connectors read the checkpoint (its weights fingerprint) only while they start.
+        base = engine_config(build_tiny_llava(Path(tmp)))
+        if name == "ECRedisConnector":
+            extra = {**extra, "embed_width": width}  # the tiny model is narrower than the items
+
+        module = "ec_redis.connector" if name == "ECRedisConnector" else None
+
+        def make(role: str, side: ECConnectorRole, more: dict[str, Any]) -> Any:
+            config = copy.copy(base)  # one VllmConfig per role; only the EC config differs
+            config.ec_transfer_config = ECTransferConfig(
+                ec_connector=name,
+                ec_connector_module_path=module,
+                ec_role=role,
+                ec_connector_extra_config={**extra, **more},
+            )
+            return ECConnectorFactory.get_connector_class(config.ec_transfer_config)(config, side)
+
+        # The producer gets its own in-process cache (another producer_id), so every load
+        # below really crosses Redis, as between two instances.
+        producer_extra = {"producer_id": "bench-encoder"} if name == "ECRedisConnector" else {}
+        return (
+            make("ec_producer", ECConnectorRole.WORKER, producer_extra),
+            make("ec_consumer", ECConnectorRole.SCHEDULER, {}),
+            make("ec_consumer", ECConnectorRole.WORKER, {}),
+        )
 
 
 def run_hooks(

@@ -1,5 +1,6 @@
-"""Probes run inside an engine's worker through ``LLM.apply_model`` (importable by module
-name, so they also work when the worker is another process)."""
+"""Encoder-pass probe: counts the images a LLaVA vision tower encodes, run inside an engine's
+worker through ``LLM.apply_model`` (importable by module name, so it also works when the
+worker is another process)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ _images_encoded = [0]
 
 def count_encoder_passes(model: torch.nn.Module) -> None:
     """Count every image the vision tower encodes from now on (a forward pre-hook)."""
-    tower: Any = model.vision_tower  # type: ignore[attr-defined]
+    tower: Any = model.vision_tower
     if getattr(tower, "_ec_redis_counted", False):
         return
 
@@ -25,4 +26,5 @@ def count_encoder_passes(model: torch.nn.Module) -> None:
 
 
 def images_encoded(model: torch.nn.Module) -> int:
+    """Images encoded in this process since ``count_encoder_passes`` was applied."""
     return _images_encoded[0]

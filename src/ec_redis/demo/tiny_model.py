@@ -1,9 +1,10 @@
-"""A tiny random-weight LLaVA-1.5 model built locally in seconds, and deterministic test images.
+"""A tiny random-weight LLaVA-1.5 model built locally in seconds, and deterministic images.
 
-No hub is reachable in CI, so the end-to-end tests make their own multimodal model:
+No hub is needed (the demo and the end-to-end tests run offline), so the model is made here:
 a byte-level BPE tokenizer trained on a few sentences, a 2-layer CLIP vision tower
 (56 px images, 14 px patches, so 16 image tokens) and a 2-layer Llama LM. Only the seed
-changes the weights, so two seeds give two genuinely different models.
+changes the weights, so two seeds give two genuinely different models. transformers,
+tokenizers, safetensors and Pillow come with vLLM and are imported only when used.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import base64
 import io
 import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,18 +53,50 @@ _CORPUS = [
 _DONE_MARKER = ".tiny_llava_done"
 
 
-def build_tiny_llava(path: Path, seed: int = 0, name_suffix: str = "") -> Path:
+def build_tiny_llava(
+    path: Path,
+    seed: int = 0,
+    name_suffix: str = "",
+    *,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+) -> Path:
     """Build the model under ``path`` and return its directory.
 
     The directory is ``path / f"tiny-llava-s{seed}{name_suffix}"``; ``name_suffix`` lets a
     test hold two copies of the same weights under different model ids. A directory that
-    was already built completely is reused as is.
+    was already built completely is reused as is; the build happens in a scratch directory
+    renamed into place at the end, so a concurrent or interrupted build never leaves a
+    half-written model under that name.
+
+    ``num_attention_heads`` (vision tower and LM: the tower splits its width 64 among them,
+    the LM's heads are 64 wide) and ``num_key_value_heads`` (LM) shape the attention for
+    tensor parallelism, where vLLM needs head counts divisible by the TP size. Other values
+    than the defaults (2 and 1) add ``-h{heads}kv{kv_heads}`` to the directory name.
     """
-    model_dir = Path(path) / f"tiny-llava-s{seed}{name_suffix}"
+    shape = (num_attention_heads, num_key_value_heads)
+    shape_suffix = "" if shape == (2, 1) else f"-h{shape[0]}kv{shape[1]}"
+    model_dir = Path(path) / f"tiny-llava-s{seed}{name_suffix}{shape_suffix}"
     if (model_dir / _DONE_MARKER).exists():
         return model_dir
-    model_dir.mkdir(parents=True, exist_ok=True)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
+    try:
+        _build(scratch, seed, num_attention_heads, num_key_value_heads)
+        (scratch / _DONE_MARKER).write_text(json.dumps({"seed": seed, "heads": shape}))
+        scratch.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
+        if not (model_dir / _DONE_MARKER).exists():
+            shutil.rmtree(model_dir, ignore_errors=True)  # an incomplete build of long ago
+            scratch.rename(model_dir)
+    except OSError:
+        if not (model_dir / _DONE_MARKER).exists():  # another process won the rename
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return model_dir
 
+
+def _build(model_dir: Path, seed: int, heads: int, kv_heads: int) -> None:
     import torch
     from transformers import (
         CLIPImageProcessor,
@@ -71,13 +106,16 @@ def build_tiny_llava(path: Path, seed: int = 0, name_suffix: str = "") -> Path:
         LlavaForConditionalGeneration,
         LlavaProcessor,
     )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" for a 2 MB file
 
     tokenizer = _build_tokenizer()
     vision_config = CLIPVisionConfig(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=2,
+        num_attention_heads=heads,
         image_size=IMAGE_SIZE,
         patch_size=PATCH_SIZE,
         projection_dim=64,
@@ -87,8 +125,8 @@ def build_tiny_llava(path: Path, seed: int = 0, name_suffix: str = "") -> Path:
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id,
@@ -126,8 +164,6 @@ def build_tiny_llava(path: Path, seed: int = 0, name_suffix: str = "") -> Path:
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(model_dir)
-    (model_dir / _DONE_MARKER).write_text(json.dumps({"seed": seed}))
-    return model_dir
 
 
 def _build_tokenizer() -> PreTrainedTokenizerFast:
