@@ -33,7 +33,7 @@ def builder(identity: ModelIdentity = QWEN, salt: str = "", namespace: str = "ec
 
 def test_pinned_key_is_stable_across_processes_and_releases() -> None:
     head = KeyBuilder("ecr", QWEN, "tenant-42").head("img-1")
-    assert head == "ecr:v1:{4df69a4bdca0c4c5da1606cb63d6d796.img-1}"
+    assert head == "ecr:v2:{4df69a4bdca0c4c5da1606cb63d6d796.img-1}"
 
 
 def test_same_identity_gives_the_same_key() -> None:
@@ -75,8 +75,8 @@ def test_identity_fields_cannot_be_shifted_into_each_other() -> None:
 
 def test_namespace_and_format_version_prefix_the_key() -> None:
     head = builder(namespace="prod").head("a")
-    assert head.startswith("prod:v1:{")
-    assert builder(namespace="prod").pattern() == f"prod:v1:{{{QWEN.fingerprint()}.*"
+    assert head.startswith("prod:v2:{")
+    assert builder(namespace="prod").pattern() == f"prod:v2:{{{QWEN.fingerprint()}.*"
 
 
 @pytest.mark.parametrize(

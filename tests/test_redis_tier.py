@@ -388,7 +388,7 @@ def test_forged_header_declaring_a_huge_blob_is_rejected_without_fetching_it(
     numel = shape[0] * shape[1]
     raw_len = 64 + numel * 4
     fields = [MAGIC, FORMAT_VERSION, CODEC_NONE, 0, 3, 2, 0, 0, *shape]
-    fields += [raw_len, raw_len, 0, CHUNK, 0]
+    fields += [raw_len, raw_len, 0, CHUNK, 1, 0]
     checked = HEADER.pack(*fields)[:CHECKED_SIZE]
     head = checked + xxhash.xxh3_64(checked).intdigest().to_bytes(8, "little")
     key = KEYS.head("forged")

@@ -20,7 +20,7 @@ EPILOG = """examples:
   ec-redis doctor --redis-url redis://cache:6379/0
   ec-redis stats  --redis-url redis+cluster://h1:7000,h2:7001 --json
   ec-redis ls     --redis-url redis://cache:6379/0 --namespace ecr --limit 20
-  ec-redis inspect 'ecr:v1:{3f2a....e1.0c1d...}' --redis-url redis://cache:6379/0 --verify
+  ec-redis inspect 'ecr:v2:{3f2a....e1.0c1d...}' --redis-url redis://cache:6379/0 --verify
   ec-redis purge  --redis-url redis://cache:6379/0 --namespace ecr --yes
   ec-redis bench  --quick --compare --plot docs/throughput.png
 Any configuration key can be given as --set KEY=VALUE (e.g. --set tls_ca_file=/ca.crt).
