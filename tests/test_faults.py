@@ -311,10 +311,8 @@ def test_noeviction_oom_refusals_are_counted_not_raised_and_keep_the_breaker_clo
     assert ws.get("written", 0) + ws["failed"] == len(expected)
     assert rs["breaker_state"] == CLOSED and rs["breaker_trips"] == 0
     assert rs.get("skipped_breaker_open", 0) == 0
-    # what was written is served whole; what was refused is a miss. The pipeline is not a
-    # transaction: a refused entry's head can land after its chunks were refused (memory
-    # frees up as the pipeline is consumed) -- the reader then sees a partial entry, a miss,
-    # and unlinks the orphan head.
+    # what was written is served whole; what was refused is a miss, and leaves no head: the
+    # head is only ever set by the swap script, after it checked every chunk landed.
     assert all(t is None or bit_exact(t, expected[k]) for k, t in got.items())
     assert sum(t is not None for t in got.values()) == ws.get("written", 0)
     assert heads_left == []
