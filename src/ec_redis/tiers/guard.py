@@ -1,7 +1,8 @@
 """Faults of Redis calls -> counters, log lines and circuit-breaker verdicts.
 
-``Guard.run`` wraps every call the breaker admitted and tells the breaker how it went. A reply
-from a healthy server (an OOM or ACL refusal) is not an outage; everything else that fails is.
+``Guard.run`` wraps every call the breaker admitted: whatever happens inside, success or any
+exception, the breaker hears about it, so a half-open probe is always answered. A reply from a
+healthy server (an OOM or ACL refusal) is not an outage; everything else that fails is.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class Guard:
         return False
 
     def run(self, op: str, call: Callable[[], T], fallback: T) -> T:
-        """``call()``, or ``fallback`` when it raised a Redis error."""
+        """``call()``, or ``fallback`` when it raised; the breaker settles either way.
+        Redis faults, redis-py's cluster errors, a ``TypeError`` from an old redis-py, a
+        ``MemoryError`` from an allocation, and our own bugs alike: nothing raises out."""
         try:
             result = call()
         except REDIS_ERRORS as exc:
@@ -42,6 +45,19 @@ class Guard:
             else:
                 self.breaker.failure()
             return fallback
+        except Exception as exc:
+            self.counters.inc("internal_errors")
+            if op == "write":
+                self.counters.inc("write_errors")
+            self.breaker.failure()
+            self.log.warning(
+                "internal-" + op, "ec_redis: unexpected error in a Redis %s (%s: %s); "
+                "treating it as a miss", op, type(exc).__name__, exc,
+            )  # fmt: skip
+            return fallback
+        except BaseException:
+            self.breaker.failure()  # e.g. KeyboardInterrupt: answer the probe, then go on
+            raise
         self.breaker.success()
         return result
 
