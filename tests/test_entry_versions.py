@@ -269,7 +269,7 @@ def test_a_write_whose_switch_fails_leaves_keys_that_expire(
     assert broken.put("item", bf16(500, seed=6)) is False
     assert broken.stats()["write_errors"] == 1
     left = all_keys(raw) - before
-    assert len(left) == 9  # the failed write's chunks (500 rows: nine), named by no head
+    assert len(left) == 10  # the failed write's head value and nine chunks (500 rows)
     assert all(0 <= t <= GRACE_S * 1000 for t in pttls(raw, left).values())
     assert named(raw, head) == before and bit_exact(good.get("item"), bf16(300, seed=5))
     wait_for(lambda: all_keys(raw) == before, EXPIRY_BOUND_S, "the failed write's chunks")
@@ -322,7 +322,7 @@ def test_a_writer_killed_between_chunks_and_head_leaves_keys_that_expire(
             child.kill()
             child.wait(30)
     left = all_keys(raw) - before
-    assert len(left) == 10  # 600 rows: ten 60 KiB chunks of the dead write
+    assert len(left) == 11  # the dead write's head value and ten 60 KiB chunks (600 rows)
     assert all(0 <= t <= GRACE_S * 1000 for t in pttls(raw, left).values())
     assert bit_exact(reader.get("item"), bf16(300, seed=8))
     wait_for(lambda: all_keys(raw) == before, EXPIRY_BOUND_S, "the dead writer's chunks")

@@ -162,13 +162,16 @@ def test_large_entry_is_chunked_under_one_hash_tag_and_switched_in_by_one_script
     assert tags == {f"{KEYS.fingerprint}.item%2F1%20%C3%BC"}
     assert len({key_slot(k.encode()) for k in (head, *chunks)}) == 1
 
-    # one non-transactional pipeline of the chunks in order, each under the grace TTL (no head
-    # names them yet); then one script that switches the head to them. No head is ever SET on
-    # its own, so no reader can see a head before its chunks. (EVALSHA first; the server did
-    # not know the script, so it went once more in full: EVAL.)
+    # one non-transactional pipeline of the chunks in order, then the head value under a key
+    # of the write's own, each under the grace TTL (no head names them yet); then one script
+    # renames that value onto the head key. The head key is never SET directly, so no reader
+    # can see a head before its chunks. (EVALSHA first; the server did not know the script,
+    # so it went once more in full: EVAL.)
+    pending = f"{head}:{header.write_id:016x}:h"
     expected: list[tuple[str, ...]] = [("pipeline", "False")]
     expected += [("set", chunk, "30000") for chunk in chunks]
-    expected += [("execute",), ("EVALSHA", head, *chunks), ("EVAL", head, *chunks)]
+    expected += [("set", pending, "30000"), ("execute",)]
+    expected += [("EVALSHA", head, pending, *chunks), ("EVAL", head, pending, *chunks)]
     assert client.log == expected
     # the switch gave the chunks the entry's lifetime (none: ttl_s is 0)
     assert {raw.pttl(k) for k in (head, *chunks)} == {-1}

@@ -304,7 +304,7 @@ def test_a_missing_tls_file_is_a_config_error_naming_the_key(
 
 READ = ("+get", "+getex", "+exists", "+getrange", "+strlen")
 # entries are switched, renewed and deleted by Lua scripts (their commands are checked too)
-WRITE = ("+set", "+unlink", "+pexpire", "+persist", "+evalsha", "+eval")
+WRITE = ("+set", "+unlink", "+rename", "+pexpire", "+persist", "+evalsha", "+eval")
 CONNECT = ("+ping", "+hello", "+auth", "+client|setname", "+client|setinfo")
 
 

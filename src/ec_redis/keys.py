@@ -2,7 +2,8 @@
 
 ``{namespace}:v{FORMAT}:{{{fingerprint}.{item}}}`` is an entry's head key; the chunks of the
 write whose header carries write id ``w`` are ``<head>:{w:016x}:c{i}``, so a rewrite never
-touches the chunks readers of the current version are fetching. The braces make the whole
+touches the chunks readers of the current version are fetching, and ``<head>:{w:016x}:h``
+holds that write's head until it is renamed onto the head key. The braces make the whole
 fingerprint+item the Redis Cluster hash tag, so an entry's head and every version's chunks
 share one slot while different entries spread over every master.
 
@@ -77,6 +78,11 @@ class KeyBuilder:
     def chunk(head: str, write_id: int, index: int) -> str:
         """The key of chunk ``index`` (1-based) of write ``write_id`` of the entry at ``head``."""
         return f"{head}:{write_id:016x}:c{index}"
+
+    @staticmethod
+    def pending(head: str, write_id: int) -> str:
+        """Where write ``write_id`` stores its head value until it is switched in."""
+        return f"{head}:{write_id:016x}:h"
 
     @staticmethod
     def chunks(head: str, write_id: int, count: int) -> list[str]:

@@ -2,12 +2,13 @@
 
 An entry is a head key (header, plus the whole blob when small) and, for large entries, chunk
 keys named by the write's random id (``tiers/layout.py``), all in the head's Cluster hash slot.
-A write stores its chunks under a grace TTL, then one Lua script (``tiers/scripts.py``) checks
-they are all there, points the head at them, gives them the entry's TTL and puts the grace TTL
-on the chunks of the version it replaced. A reader fetches the head, then the chunks that head
-names: one whole version or a miss, whatever other writers do meanwhile; a bad version it read
-is deleted only while it is still current. Every failure is a miss or False plus a counter;
-nothing raises out of this tier, and every call the breaker admits settles it.
+A write stores its chunks and head value under a grace TTL, then one Lua script
+(``tiers/scripts.py``) checks they are all there, renames the head value onto the head key,
+gives them the entry's TTL and puts the grace TTL on the chunks of the version it replaced. A
+reader fetches the head, then the chunks that head names: one whole version or a miss,
+whatever other writers do meanwhile; a bad version it read is deleted only while it is still
+current. Every failure is a miss or False plus a counter; nothing raises out of this tier,
+and every call the breaker admits settles it.
 """
 
 from __future__ import annotations
@@ -275,17 +276,16 @@ class RedisTier(Tier):
             self.counters.inc("write_skipped_breaker_open")
             return False
         started = time.perf_counter()
-        new_chunks = KeyBuilder.chunks(head_key, write_id, len(parts) - 1)
-        stored = self._guard.run("write", lambda: self._write(head_key, parts, new_chunks), False)
+        stored = self._guard.run("write", lambda: self._write(head_key, parts, write_id), False)
         if stored:
             self.counters.inc("writes")
             self.counters.inc("bytes_written", sum(len(p) for p in parts))
             self.counters.inc("write_us", int((time.perf_counter() - started) * 1e6))
         return stored
 
-    def _write(self, head_key: str, parts: Sequence[Any], new_chunks: list[str]) -> bool:
+    def _write(self, head_key: str, parts: Sequence[Any], write_id: int) -> bool:
         outcome = entry_ops.write_entry(
-            self.client, head_key, parts, new_chunks, self._ttl_ms, self._grace_ms
+            self.client, head_key, parts, write_id, self._ttl_ms, self._grace_ms
         )
         if outcome != entry_ops.STORED:
             self.counters.inc(f"write_{outcome}")  # write_conflict, write_incomplete

@@ -5,8 +5,8 @@ Redis Cluster slot. Every key is passed in ``KEYS`` (none is built inside Lua), 
 routes a script like any single-slot command and key-pattern ACLs apply as usual. Heads are
 identified by their first ``HEADER_SIZE`` bytes, which carry the write's random id: "the head
 is still the one I saw" is a byte comparison. Plain Lua 5.1 with no ``#!`` flags: Redis
->= 6.2, Valkey, and fakeredis with ``lupa``. ``SET`` is each script's first write, so a script
-refused for memory (OOM) has changed nothing.
+>= 6.2, Valkey, and fakeredis with ``lupa``. No script allocates: values are written by plain
+pipelined ``SET``s before, so a full Redis refuses those, never half a script.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from redis.exceptions import NoScriptError
 from ec_redis.codec.format import HEADER_SIZE, PART_BYTES_AT
 from ec_redis.tiers.layout import MAGIC_VERSION, PROBE_BYTES
 
-# swap replies: [SWAPPED] | [CONFLICT, head prefix, head length] | [INCOMPLETE, chunk index]
+# swap replies: [SWAPPED] | [CONFLICT, head prefix, head length] | [INCOMPLETE, index]
+# (index 0: the pending head, i: chunk i)
 SWAPPED, CONFLICT, INCOMPLETE = 1, 0, 2
 # delete replies: [DELETED, keys removed] | [CONFLICT, head prefix, head length]
 DELETED = 1
@@ -38,10 +39,12 @@ local function changed()
 end
 """
 
-# Make a complete write the entry's current version. KEYS: head, the write's n chunks, then
-# the chunks of the version it replaces. ARGV: the head's first bytes as the writer saw them
-# ("": any head without chunks), the new head value, n, the entry's TTL in ms (0: none), the
-# grace in ms. The replaced chunks get the grace TTL, not an UNLINK: a reader may be mid-read.
+# Make a complete write the entry's current version. KEYS: head, the write's pending head,
+# its n chunks, then the chunks of the version it replaces. ARGV: the head's first bytes as
+# the writer saw them ("": any head without chunks), n, the entry's TTL in ms (0: none), the
+# grace in ms. The new head value arrives by RENAME, not as an argument: a megabyte ARGV costs
+# Redis milliseconds of Lua string handling, a RENAME nothing. The replaced chunks get the
+# grace TTL, not an UNLINK: a reader may be fetching them right now.
 _SWAP = (
     _PRELUDE
     + f"""
@@ -49,20 +52,18 @@ local chunked = string.sub(seen, 1, 6) == {_lua_bytes(MAGIC_VERSION)}
   and #seen >= {PART_BYTES_AT + 8}
   and string.sub(seen, {PART_BYTES_AT + 1}, {PART_BYTES_AT + 8}) ~= {_lua_bytes(bytes(8))}
 if (ARGV[1] == '' and chunked) or (ARGV[1] ~= '' and seen ~= ARGV[1]) then return changed() end
-local n = tonumber(ARGV[3])
-for i = 2, n + 1 do
-  if redis.call('EXISTS', KEYS[i]) == 0 then return {{{INCOMPLETE}, i - 1}} end
+local n = tonumber(ARGV[2])
+for i = 2, n + 2 do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return {{{INCOMPLETE}, i - 2}} end
 end
-local ttl = tonumber(ARGV[4])
-if ttl > 0 then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
-else
-  redis.call('SET', KEYS[1], ARGV[2])
+redis.call('RENAME', KEYS[2], KEYS[1])
+local ttl = tonumber(ARGV[3])
+for i = 1, n + 2 do
+  if i ~= 2 then
+    if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
+  end
 end
-for i = 2, n + 1 do
-  if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
-end
-for i = n + 2, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+for i = n + 3, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return {{{SWAPPED}}}
 """
 )
