@@ -170,7 +170,7 @@ def test_two_writers_two_readers_one_item(
     assert not any(t.is_alive() for t in threads)
     assert escaped == []
     assert wrong == []
-    assert misses_after_landing == []
+    assert misses_after_landing == [], [sorted(r.stats().items()) for r in readers]
     assert all(writes.values()) and all(hits), (writes, hits)  # both writers and readers ran
     conflicts = sum(w.stats().get("write_conflict", 0) for w in writers.values())
     assert conflicts <= sum(writes.values()) // 10  # racing writers mostly win their swap

@@ -1,9 +1,10 @@
 """Writing and deleting one versioned entry: keys under a grace TTL, then compare-and-swap.
 
 A write stores its chunks and its head value under new keys named by its write id, with the
-grace TTL, and in the same round trip reads the head it is about to replace; the swap script
-then renames the pending head onto the head key in one step if that head is still current
-(else it returns the newer head and the write tries again against it). Deletes compare the
+grace TTL, and in the same round trip runs the swap script, which renames the pending head
+onto the head key in one step if the head is the one the writer expects (at first: any head
+without chunks); else it returns the current head and the write tries again against it,
+retiring that head's chunks. Deletes compare the
 same way, so nobody ever deletes a version written after the one they looked at.
 """
 
@@ -18,7 +19,8 @@ import redis
 from ec_redis.codec.format import HEADER_SIZE
 from ec_redis.keys import KeyBuilder
 from ec_redis.tiers.layout import PROBE_BYTES, named_chunks, replaced
-from ec_redis.tiers.scripts import DELETE, DELETED, INCOMPLETE, SWAP, SWAPPED
+from ec_redis.tiers.scripts import CONFLICT as CONFLICT_REPLY
+from ec_redis.tiers.scripts import DELETE, DELETED, INCOMPLETE, SWAP, SWAPPED, is_noscript
 
 ATTEMPTS = 4  # compare-and-swap rounds while other writers keep switching the entry
 STORED, CONFLICT, INCOMPLETE_WRITE = "stored", "conflict", "incomplete"
@@ -40,35 +42,42 @@ def write_entry(
     pending = KeyBuilder.pending(head_key, write_id)
     new_chunks = KeyBuilder.chunks(head_key, write_id, len(parts) - 1)
     written = [pending, *new_chunks]
+    # One round trip: the write's keys, then the swap, assuming no chunked entry is there
+    # (true for a new item or a one-value one). When one is, the script answers with its head
+    # and the next round retires that head's chunks.
+    expected: bytes = b""
+    retired: list[str] = []
+    args = [expected, len(new_chunks), ttl_ms or 0, grace_ms]
     pipe = client.pipeline(transaction=False)
     for key, part in zip(new_chunks, parts[1:], strict=True):
         pipe.set(key, part, px=grace_ms)
     pipe.set(pending, parts[0], px=grace_ms)
-    pipe.getrange(head_key, 0, PROBE_BYTES - 1)  # the version this write replaces
-    pipe.strlen(head_key)
-    replies = pipe.execute(raise_on_error=False)
-    refused = [r for r in replies if isinstance(r, Exception)]
-    if refused:  # e.g. OOM for one chunk: no switch, drop what did land
-        drop(client, written)
-        raise refused[0]
-    expected, retired = replaced(head_key, replies[-2], replies[-1])
+    pipe.execute_command(*SWAP.command([head_key, *written], args))
+    *stored, reply = pipe.execute(raise_on_error=False)
     try:
-        for _ in range(ATTEMPTS):
+        refused = [r for r in stored if isinstance(r, Exception)]
+        if refused:  # e.g. OOM: the script found a key missing and switched nothing
+            raise refused[0]
+        if is_noscript(reply):  # the server does not know the script yet
+            reply = SWAP.eval(client, [head_key, *written], args)
+        elif isinstance(reply, Exception):
+            raise reply
+        attempts = 1
+        while int(reply[0]) == CONFLICT_REPLY and attempts < ATTEMPTS:
+            # a chunked version is current (or another writer switched the entry since we
+            # looked): retire that version's chunks instead
+            expected, retired = replaced(head_key, reply[1], int(reply[2]))
             retired = [k for k in retired if k not in new_chunks]
             args = [expected, len(new_chunks), ttl_ms or 0, grace_ms]
             reply = SWAP.run(client, [head_key, *written, *retired], args)
-            if int(reply[0]) == SWAPPED:
-                return STORED
-            if int(reply[0]) == INCOMPLETE:
-                drop(client, written)
-                return INCOMPLETE_WRITE
-            # another writer switched the entry since we looked: retire what it wrote instead
-            expected, retired = replaced(head_key, reply[1], int(reply[2]))
+            attempts += 1
+        if int(reply[0]) == SWAPPED:
+            return STORED
     except BaseException:
         drop(client, written)
         raise
-    drop(client, written)
-    return CONFLICT
+    drop(client, written)  # never named by the head: nobody can be reading them
+    return INCOMPLETE_WRITE if int(reply[0]) == INCOMPLETE else CONFLICT
 
 
 def delete_entry(client: Any, head_key: str) -> bool:

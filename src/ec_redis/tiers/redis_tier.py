@@ -228,7 +228,7 @@ class RedisTier(Tier):
         try:
             if not is_noscript(reply):
                 raise reply
-            RENEW.run(self.client, *self._renew_args(entry))
+            RENEW.eval(self.client, *self._renew_args(entry))
         except REDIS_ERRORS as exc:  # a renewal is best effort: the read itself succeeded
             self.counters.inc("renew_errors")
             self._guard.count("renew", exc)

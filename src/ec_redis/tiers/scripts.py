@@ -107,7 +107,11 @@ class Script:
         try:
             return client.execute_command(*self.command(keys, args))
         except NoScriptError:
-            return client.execute_command("EVAL", self.text, len(keys), *keys, *args)
+            return self.eval(client, keys, args)
+
+    def eval(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run it sending its text (the server caches it for the next ``EVALSHA``)."""
+        return client.execute_command("EVAL", self.text, len(keys), *keys, *args)
 
 
 SWAP = Script("swap", _SWAP)
