@@ -212,7 +212,7 @@ class CacheConfig:
         metadata=_key(
             _float_at_least(0.1),
             "30",
-            "Lifetime of chunks no head names (being written, replaced, or left by a crash); "
+            "Lifetime of keys no head names (being written, replaced, left by a crash); "
             "longer than any write or read of one entry.",
         ),
     )
