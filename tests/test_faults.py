@@ -266,11 +266,16 @@ def test_evicting_redis_serves_whole_entries_or_clean_misses(
                     hits += 1
                 else:
                     wrong.append(key)
-        ws, s = writer_stats(writer), redis_stats(reader)
+        ws, s, wr = writer_stats(writer), redis_stats(reader), redis_stats(writer)
     print(f"\nevicting Redis: {hits} whole reads, {misses} misses; reader {s}")
     assert wrong == []
     assert hits > 0 and misses > 0, "no eviction (or no survivor): the test proves nothing"
-    assert ws.get("written", 0) == len(expected)  # eviction made room for every write
+    # eviction made room for every write; a write whose own keys were evicted before its
+    # switch (LRU's clock ticks once a second: keys just written are candidates too) is
+    # refused whole: counted, its head never switched in
+    incomplete = wr.get("write_incomplete", 0)
+    assert ws.get("written", 0) + incomplete == len(expected)
+    assert incomplete <= len(expected) // 10
     assert s.get("bad_blobs", 0) == 0  # an evicted chunk never looks like corruption
     assert s.get("errors", 0) == 0
     # a head whose chunk was evicted is a partial entry: a miss (and its remains unlinked)
