@@ -11,7 +11,9 @@ import torch
 
 from ec_redis import TieredCache
 from ec_redis.cli.main import EXIT_OK, EXIT_PROBLEM, EXIT_REDIS, EXIT_USAGE, main
+from ec_redis.codec import read_header
 from ec_redis.embedded import EmbeddedRedis, Flavor, free_port
+from ec_redis.tiers.layout import chunk_keys
 from tests.conftest import embedding
 
 pytestmark = pytest.mark.redis
@@ -27,15 +29,31 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
     return code, data, out.err
 
 
+CONFIG = {"model_name": "demo/model", "chunk_bytes": "64KiB"}
+
+
 @pytest.fixture
 def filled(redis_url: str) -> dict[str, torch.Tensor]:
     items = {f"img:{i}": embedding(64 * (i + 1), 128, seed=i) for i in range(4)}
-    config = {"redis_url": redis_url, "model_name": "demo/model", "chunk_bytes": "64KiB"}
-    with TieredCache.from_config(config) as cache:
+    with TieredCache.from_config({**CONFIG, "redis_url": redis_url}) as cache:
         for key, tensor in items.items():
             cache.put(key, tensor)
         assert cache.flush(10)
     return items
+
+
+def rewrite(redis_url: str, items: dict[str, torch.Tensor]) -> None:
+    """Write the items again: the replaced versions' chunks stay (for the grace period)."""
+    with TieredCache.from_config({**CONFIG, "redis_url": redis_url}) as cache:
+        for key, tensor in items.items():
+            cache.put(key, tensor)
+        assert cache.flush(10)
+
+
+def current_chunks(client: redis.Redis, head: str) -> list[str]:
+    value = client.get(head)
+    assert value is not None
+    return chunk_keys(head, read_header(value), len(value))
 
 
 def test_doctor_reports_warnings_but_passes_on_a_default_server(
@@ -108,6 +126,24 @@ def test_stats_ls_and_inspect_describe_entries_without_loading_them(
     )
     assert code == EXIT_OK and shown["checksum"] == "ok" and shown["model"] == "demo/model"
 
+    # a rewrite leaves the replaced versions' chunks for the grace period: an operator still
+    # sees one entry per item, with the current version's chunk count and sizes
+    rewrite(redis_url, filled)
+    client = redis.Redis.from_url(redis_url)
+    assert client.dbsize() > sum(1 + len(current_chunks(client, e["key"])) for e in entries)
+    code, again, _ = cli(capsys, "ls", "--redis-url", redis_url, "--json")
+    assert code == EXIT_OK and len(again) == len(entries)
+    assert {e["item"]: e["chunks"] for e in again} == {e["item"]: e["chunks"] for e in entries}
+    assert {e["item"]: e["stored_bytes"] for e in again} == {
+        e["item"]: e["stored_bytes"] for e in entries
+    }
+    code, stats_again, _ = cli(capsys, "stats", "--redis-url", redis_url, "--json")
+    assert stats_again["groups"][0]["entries"] == 4
+    code, shown, _ = cli(
+        capsys, "inspect", big["key"], "--redis-url", redis_url, "--verify", "--json"
+    )
+    assert code == EXIT_OK and shown["checksum"] == "ok"
+
 
 def test_inspect_verify_reports_a_corrupt_entry(
     capsys: pytest.CaptureFixture[str], redis_url: str, filled: dict[str, torch.Tensor]
@@ -115,9 +151,10 @@ def test_inspect_verify_reports_a_corrupt_entry(
     _, entries, _ = cli(capsys, "ls", "--redis-url", redis_url, "--json")
     key = next(e["key"] for e in entries if e["item"] == "img:3")
     client = redis.Redis.from_url(redis_url)
-    chunk = bytearray(client.get(f"{key}:c1") or b"")
+    first = current_chunks(client, key)[0]
+    chunk = bytearray(client.get(first) or b"")
     chunk[10] ^= 0xFF
-    client.set(f"{key}:c1", bytes(chunk))
+    client.set(first, bytes(chunk))
     code, shown, _ = cli(capsys, "inspect", key, "--redis-url", redis_url, "--verify", "--json")
     assert code == EXIT_PROBLEM and shown["checksum"].startswith("corrupt")
 
@@ -127,7 +164,10 @@ def test_purge_asks_first_then_unlinks_heads_and_chunks(
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     client.set("other-app:key", b"keep me")
+    rewrite(redis_url, filled)  # replaced versions' chunks (in their grace period) go too
     before = client.dbsize()
+    live = sum(1 + len(current_chunks(client, k.decode())) for k in client.keys("ecr:*}"))
+    assert before - 1 > live
     code, _, err = cli(capsys, "purge", "--redis-url", redis_url, "--namespace", "ecr")
     assert code == EXIT_USAGE and "--yes" in err and client.dbsize() == before
     code, result, _ = cli(

@@ -34,6 +34,8 @@ from ec_redis.codec.format import (
     MAGIC,
     MAX_NDIM,
     MAX_PRODUCER_BYTES,
+    PART_BYTES_AT,
+    WRITE_ID_AT,
     DType,
 )
 from ec_redis.codec.safetensors_doc import MAX_HEADER_BYTES, build_header
@@ -41,6 +43,7 @@ from ec_redis.errors import BlobError, ECRedisError, TensorError
 from tests.conftest import bits, embedding
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ec_redis"
+GOLDEN_WRITE_ID = 0x0807060504030201  # bytes 01..08 in the golden blobs below
 
 # (compression, byte_shuffle) combinations the encoder accepts.
 OPTIONS = [("none", False), ("lz4", False), ("lz4", True), ("auto", False), ("auto", True)]
@@ -80,7 +83,7 @@ def structured_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tenso
 
 
 def seal(blob: bytes | bytearray) -> bytes:
-    """Recompute the header checksum after editing bytes [0, 80) or the producer info."""
+    """Recompute the header checksum after editing bytes [0, 88) or the producer info."""
     buf = bytearray(blob)
     producer_len = int.from_bytes(buf[10:12], "little")
     producer = bytes(buf[HEADER_SIZE : HEADER_SIZE + producer_len])
@@ -99,6 +102,7 @@ def build_blob(
     producer: bytes = b"{}      ",
     version: int = FORMAT_VERSION,
     payload: bytes | None = None,
+    write_id: int = GOLDEN_WRITE_ID,
 ) -> bytes:
     """Assemble a blob around a safetensors document, computing both checksums like the encoder.
 
@@ -109,7 +113,7 @@ def build_blob(
     padded = list(shape) + [0] * (MAX_NDIM - len(shape))
     fields = [
         MAGIC, version, codec, flags, dtype_code, len(shape), len(producer), 0,
-        *padded, len(doc), len(payload), xxhash.xxh3_64_intdigest(doc), 0, 0,
+        *padded, len(doc), len(payload), xxhash.xxh3_64_intdigest(doc), 0, write_id, 0,
     ]  # fmt: skip
     return seal(HEADER.pack(*fields)[:CHECKED_SIZE] + bytes(8) + producer + payload)
 
@@ -240,7 +244,10 @@ def test_encode_parts_returns_one_part_when_the_blob_fits() -> None:
     parts = encode_parts(SMALL, part_bytes=1 << 20)
     assert len(parts) == 1
     assert read_header(parts[0]).part_bytes == 0
-    assert bytes(parts[0]) == encode_blob(SMALL, created_s=read_header(parts[0]).producer["ts"])
+    header = read_header(parts[0])
+    assert bytes(parts[0]) == encode_blob(
+        SMALL, created_s=header.producer["ts"], write_id=header.write_id
+    )
     assert_identical(decode_parts(parts), SMALL)
 
 
@@ -363,22 +370,25 @@ def test_compressed_payload_decompresses_to_a_safetensors_document() -> None:
 # ---------------------------------------------------------------------------------------------
 # golden bytes: the wire format must not drift silently
 
+# Format version 2 (write_id added at offset 80): regenerated deliberately. Against the
+# version-1 goldens only the version field, the eight write_id bytes (01..08 below) and the
+# header checksum differ; the producer info and the safetensors payload are byte-identical.
 GOLDEN_F32 = bytes.fromhex(
-    "45435242010000000302280000000000030000000000000004000000000000000000000000000000"
+    "45435242020000000302280000000000030000000000000004000000000000000000000000000000"
     "000000000000000078000000000000007800000000000000a0b351bf39dcec230000000000000000"
-    "d2cede276ba1869d7b226964223a2022676f6c64656e222c20227473223a20313730303030303030"
-    "302e307d2020202040000000000000007b2265635f6361636865223a7b226474797065223a224633"
-    "32222c227368617065223a5b332c345d2c22646174615f6f666673657473223a5b302c34385d7d7d"
-    "000000000000803f0000004000004040000080400000a0400000c0400000e0400000004100001041"
-    "0000204100003041"
+    "0102030405060708ee58e83c2c1b104a7b226964223a2022676f6c64656e222c20227473223a2031"
+    "3730303030303030302e307d2020202040000000000000007b2265635f6361636865223a7b226474"
+    "797065223a22463332222c227368617065223a5b332c345d2c22646174615f6f666673657473223a"
+    "5b302c34385d7d7d000000000000803f0000004000004040000080400000a0400000c0400000e040"
+    "00000041000010410000204100003041"
 )
 GOLDEN_BF16 = bytes.fromhex(
-    "45435242010000000102280000000000020000000000000003000000000000000000000000000000"
+    "45435242020000000102280000000000020000000000000003000000000000000000000000000000"
     "00000000000000005c000000000000005c000000000000009c40df7a9ab01b690000000000000000"
-    "3c469d278a979c447b226964223a2022676f6c64656e222c20227473223a20313730303030303030"
-    "302e307d2020202048000000000000007b2265635f6361636865223a7b226474797065223a224246"
-    "3136222c227368617065223a5b322c335d2c22646174615f6f666673657473223a5b302c31325d7d"
-    "7d20202020202020803f20c00000494000807f47"
+    "0102030405060708d14b45ea5e70e2297b226964223a2022676f6c64656e222c20227473223a2031"
+    "3730303030303030302e307d2020202048000000000000007b2265635f6361636865223a7b226474"
+    "797065223a2242463136222c227368617065223a5b322c335d2c22646174615f6f66667365747322"
+    "3a5b302c31325d7d7d20202020202020803f20c00000494000807f47"
 )
 GOLDEN_BF16_TENSOR = torch.tensor(
     [[1.0, -2.5, 0.0], [3.140625, -0.0, 65280.0]], dtype=torch.bfloat16
@@ -391,7 +401,13 @@ GOLDEN_BF16_TENSOR = torch.tensor(
     ids=["f32", "bf16"],
 )
 def test_golden_bytes(tensor: torch.Tensor, golden: bytes) -> None:
-    blob = encode_blob(tensor, producer_id="golden", created_s=1700000000.0, compression="none")
+    blob = encode_blob(
+        tensor,
+        producer_id="golden",
+        created_s=1700000000.0,
+        compression="none",
+        write_id=GOLDEN_WRITE_ID,
+    )
     assert blob == golden
     assert_identical(decode_blob(golden), tensor)
     header = read_header(golden)
@@ -400,20 +416,23 @@ def test_golden_bytes(tensor: torch.Tensor, golden: bytes) -> None:
 
 
 def test_fixed_header_layout() -> None:
-    assert HEADER_SIZE == 88
-    assert CHECKED_SIZE == 80
+    assert HEADER_SIZE == 96
+    assert CHECKED_SIZE == 88
+    assert FORMAT_VERSION == 2
     assert GOLDEN_F32[0:4] == b"ECRB" == MAGIC
-    assert struct.unpack_from("<H", GOLDEN_F32, 4) == (1,)
+    assert struct.unpack_from("<H", GOLDEN_F32, 4) == (2,)
     codec, flags, dtype, ndim, producer_len, reserved = struct.unpack_from("<BBBBHI", GOLDEN_F32, 6)
     assert (codec, flags, dtype, ndim, producer_len, reserved) == (0, 0, 3, 2, 40, 0)
     assert struct.unpack_from("<4Q", GOLDEN_F32, 16) == (3, 4, 0, 0)
-    raw_len, payload_len, checksum, part_bytes, header_sum = struct.unpack_from(
-        "<5Q", GOLDEN_F32, 48
+    raw_len, payload_len, checksum, part_bytes, write_id, header_sum = struct.unpack_from(
+        "<6Q", GOLDEN_F32, 48
     )
     assert raw_len == payload_len == 8 + 64 + 48
     assert checksum == xxhash.xxh3_64_intdigest(GOLDEN_F32[HEADER_SIZE + 40 :])
     assert part_bytes == 0
-    assert header_sum == xxhash.xxh3_64_intdigest(GOLDEN_F32[:80] + GOLDEN_F32[88:128])
+    assert write_id == GOLDEN_WRITE_ID == read_header(GOLDEN_F32).write_id
+    assert (PART_BYTES_AT, WRITE_ID_AT) == (72, 80)  # the Redis tier's Lua scripts read these
+    assert header_sum == xxhash.xxh3_64_intdigest(GOLDEN_F32[:88] + GOLDEN_F32[96:136])
 
 
 def test_build_blob_helper_reproduces_the_encoder() -> None:
@@ -439,10 +458,27 @@ def test_wrong_magic() -> None:
 
 def test_other_version() -> None:
     blob = seal(with_bytes(small_blob(), 4, struct.pack("<H", FORMAT_VERSION + 1)))
-    with pytest.raises(BlobError, match="version 2"):
+    with pytest.raises(BlobError, match=f"version {FORMAT_VERSION + 1}"):
         decode_blob(blob)
     with pytest.raises(BlobError, match="version"):
         read_header(blob)
+
+
+# A version-1 blob (88-byte header, no write id): the golden F32 blob of that format.
+GOLDEN_F32_V1 = bytes.fromhex(
+    "45435242010000000302280000000000030000000000000004000000000000000000000000000000"
+    "000000000000000078000000000000007800000000000000a0b351bf39dcec230000000000000000"
+    "d2cede276ba1869d7b226964223a2022676f6c64656e222c20227473223a20313730303030303030"
+    "302e307d2020202040000000000000007b2265635f6361636865223a7b226474797065223a224633"
+    "32222c227368617065223a5b332c345d2c22646174615f6f666673657473223a5b302c34385d7d7d"
+    "000000000000803f0000004000004040000080400000a0400000c0400000e0400000004100001041"
+    "0000204100003041"
+)
+
+
+def test_a_version_1_blob_is_refused_not_misread() -> None:
+    with pytest.raises(BlobError, match="version 1; this build reads 2"):
+        decode_blob(GOLDEN_F32_V1)
 
 
 def test_truncated_and_padded_blobs() -> None:
@@ -474,6 +510,22 @@ def test_flipped_header_byte_fails_the_header_checksum() -> None:
         blob[index] ^= 0x01
         with pytest.raises(BlobError, match="checksum"):
             decode_blob(bytes(blob))
+
+
+def test_every_blob_gets_its_own_non_zero_write_id() -> None:
+    ids = {read_header(encode_blob(SMALL)).write_id for _ in range(50)}
+    assert len(ids) == 50 and 0 not in ids
+    parts = encode_parts(embedding(64, 64), part_bytes=1024, write_id=77)
+    assert read_header(parts[0]).write_id == 77
+    for bad in (0, -1, 2**64):
+        with pytest.raises(TensorError, match="write_id"):
+            encode_blob(SMALL, write_id=bad)
+
+
+def test_a_blob_without_a_write_id_is_rejected() -> None:
+    blob = seal(with_bytes(small_blob(), WRITE_ID_AT, bytes(8)))
+    with pytest.raises(BlobError, match="write id"):
+        decode_blob(blob)
 
 
 def test_declared_sizes_over_max_blob_bytes() -> None:

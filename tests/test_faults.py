@@ -267,11 +267,16 @@ def test_evicting_redis_serves_whole_entries_or_clean_misses(
                     hits += 1
                 else:
                     wrong.append(key)
-        ws, s = writer_stats(writer), redis_stats(reader)
+        ws, s, wr = writer_stats(writer), redis_stats(reader), redis_stats(writer)
     print(f"\nevicting Redis: {hits} whole reads, {misses} misses; reader {s}")
     assert wrong == []
     assert hits > 0 and misses > 0, "no eviction (or no survivor): the test proves nothing"
-    assert ws.get("written", 0) == len(expected)  # eviction made room for every write
+    # eviction made room for every write; a write whose own keys were evicted before its
+    # switch (LRU's clock ticks once a second: keys just written are candidates too) is
+    # refused whole: counted, its head never switched in
+    incomplete = wr.get("write_incomplete", 0)
+    assert ws.get("written", 0) + incomplete == len(expected)
+    assert incomplete <= len(expected) // 10
     assert s.get("bad_blobs", 0) == 0  # an evicted chunk never looks like corruption
     assert s.get("errors", 0) == 0
     # a head whose chunk was evicted is a partial entry: a miss (and its remains unlinked)
@@ -312,10 +317,8 @@ def test_noeviction_oom_refusals_are_counted_not_raised_and_keep_the_breaker_clo
     assert ws.get("written", 0) + ws["failed"] == len(expected)
     assert rs["breaker_state"] == CLOSED and rs["breaker_trips"] == 0
     assert rs.get("skipped_breaker_open", 0) == 0
-    # what was written is served whole; what was refused is a miss. The pipeline is not a
-    # transaction: a refused entry's head can land after its chunks were refused (memory
-    # frees up as the pipeline is consumed) -- the reader then sees a partial entry, a miss,
-    # and unlinks the orphan head.
+    # what was written is served whole; what was refused is a miss, and leaves no head: the
+    # head is only ever set by the swap script, after it checked every chunk landed.
     assert all(t is None or bit_exact(t, expected[k]) for k, t in got.items())
     assert sum(t is not None for t in got.values()) == ws.get("written", 0)
     assert heads_left == []

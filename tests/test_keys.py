@@ -33,7 +33,7 @@ def builder(identity: ModelIdentity = QWEN, salt: str = "", namespace: str = "ec
 
 def test_pinned_key_is_stable_across_processes_and_releases() -> None:
     head = KeyBuilder("ecr", QWEN, "tenant-42").head("img-1")
-    assert head == "ecr:v1:{4df69a4bdca0c4c5da1606cb63d6d796.img-1}"
+    assert head == "ecr:v2:{4df69a4bdca0c4c5da1606cb63d6d796.img-1}"
 
 
 def test_same_identity_gives_the_same_key() -> None:
@@ -78,8 +78,8 @@ def test_identity_fields_cannot_be_shifted_into_each_other() -> None:
 
 def test_namespace_and_format_version_prefix_the_key() -> None:
     head = builder(namespace="prod").head("a")
-    assert head.startswith("prod:v1:{")
-    assert builder(namespace="prod").pattern() == f"prod:v1:{{{QWEN.fingerprint()}.*"
+    assert head.startswith("prod:v2:{")
+    assert builder(namespace="prod").pattern() == f"prod:v2:{{{QWEN.fingerprint()}.*"
 
 
 @pytest.mark.parametrize(
@@ -106,11 +106,14 @@ def test_escaped_ids_keep_the_key_structure(item: str) -> None:
     assert head.count("{") == 1 and head.count("}") == 1
     assert hash_tag(head) == f"{kb.fingerprint}.{escape_item(item)}"
     assert head.startswith(kb.prefix) and head.endswith("}")
-    for index in (1, 2, 17):
-        chunk = KeyBuilder.chunk(head, index)
-        assert chunk == f"{head}:c{index}"
+    for write_id, index in ((1, 1), (0xDEADBEEF, 2), (2**64 - 1, 17)):
+        chunk = KeyBuilder.chunk(head, write_id, index)
+        assert chunk == f"{head}:{write_id:016x}:c{index}"
         assert KEY_RE.fullmatch(chunk)
         assert hash_tag(chunk) == hash_tag(head)
+    assert KeyBuilder.chunks(head, 5, 3) == [KeyBuilder.chunk(head, 5, i) for i in (1, 2, 3)]
+    # two writes of one entry never share a chunk key
+    assert not set(KeyBuilder.chunks(head, 5, 9)) & set(KeyBuilder.chunks(head, 6, 9))
 
 
 def test_escape_examples() -> None:
@@ -126,7 +129,7 @@ def test_pattern_matches_heads_and_chunks_of_this_model_only() -> None:
     kb = builder()
     glob = re.compile(re.escape(kb.pattern()).replace(r"\*", ".*") + "$")
     head = kb.head("x")
-    assert glob.match(head) and glob.match(KeyBuilder.chunk(head, 3))
+    assert glob.match(head) and glob.match(KeyBuilder.chunk(head, 7, 3))
     assert not glob.match(builder(salt="other").head("x"))
 
 
@@ -194,7 +197,7 @@ def test_every_id_yields_a_well_formed_key(item: str) -> None:
     assert KEY_RE.fullmatch(head)
     assert head.count("{") == 1 and head.count("}") == 1
     assert len(escape_item(item)) <= MAX_ITEM_CHARS
-    assert hash_tag(KeyBuilder.chunk(head, 1)) == hash_tag(head)
+    assert hash_tag(KeyBuilder.chunk(head, 2**63, 1)) == hash_tag(head)
 
 
 @settings(max_examples=300, deadline=None, database=None)

@@ -1,5 +1,7 @@
 """RedisTier against a real redis-server: key layout, write order, partial and corrupt
-entries, size limits, TTLs, model/tenant isolation and compression."""
+entries, size limits, TTLs, model/tenant isolation and compression.
+
+Versions, concurrent writers, orphans and compare-and-delete: tests/test_entry_versions.py."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from ec_redis.codec.format import (
 from ec_redis.config import CacheConfig
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
-from ec_redis.tiers.redis_tier import ALLOCATOR_SLACK, RedisTier, RedisTierOptions
+from ec_redis.tiers.layout import ALLOCATOR_SLACK, chunk_keys
+from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from tests.conftest import bits
 
 pytestmark = pytest.mark.redis
@@ -78,24 +81,38 @@ def all_keys(raw: redis.Redis) -> set[str]:
     return {k.decode() for k in raw.keys("*")}
 
 
-def entry_keys(head: str, chunks: int) -> set[str]:
-    return {head} | {KeyBuilder.chunk(head, i) for i in range(1, chunks + 1)}
+def chunks_of(raw: redis.Redis, head: str) -> list[str]:
+    """The chunk keys the stored head names (their names carry the head's write id)."""
+    value = raw.get(head)
+    assert value is not None, f"no head {head}"
+    return chunk_keys(head, read_header(value), len(value))
+
+
+def entry_keys(raw: redis.Redis, head: str, chunks: int) -> set[str]:
+    """The head and its chunk keys, checking there are ``chunks`` of them."""
+    named = chunks_of(raw, head)
+    assert len(named) == chunks
+    return {head, *named}
 
 
 # -- layout ----------------------------------------------------------------------------------
 
 
 class _RecordingPipeline:
-    def __init__(self, pipe: Any, log: list[tuple[str, str]]) -> None:
+    def __init__(self, pipe: Any, log: list[tuple[str, ...]]) -> None:
         self._pipe = pipe
         self._log = log
 
     def set(self, name: str, value: Any, **kwargs: Any) -> Any:
-        self._log.append(("set", name))
+        self._log.append(("set", name, str(kwargs.get("px"))))
         return self._pipe.set(name, value, **kwargs)
 
+    def execute_command(self, *args: Any) -> Any:
+        self._log.append((str(args[0]), *(str(a) for a in args[3 : 3 + int(args[2])])))
+        return self._pipe.execute_command(*args)
+
     def execute(self, **kwargs: Any) -> Any:
-        self._log.append(("execute", ""))
+        self._log.append(("execute",))
         return self._pipe.execute(**kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -103,54 +120,81 @@ class _RecordingPipeline:
 
 
 class _RecordingClient:
-    """Wraps a client; records every pipelined SET and each pipeline's execute."""
+    """Wraps a client; records every pipelined SET, each pipeline's execute, and the
+    commands sent on their own (the scripts)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
-        self.log: list[tuple[str, str]] = []
+        self.log: list[tuple[str, ...]] = []
 
     def pipeline(self, transaction: bool = True) -> _RecordingPipeline:
         self.log.append(("pipeline", str(transaction)))
         return _RecordingPipeline(self._client.pipeline(transaction=transaction), self.log)
 
-    def set(self, key: str, value: Any, **kwargs: Any) -> Any:
-        self.log.append(("set", key))
-        return self._client.set(key, value, **kwargs)
+    def execute_command(self, *args: Any) -> Any:
+        self.log.append((str(args[0]), *(str(a) for a in args[3 : 3 + int(args[2])])))
+        return self._client.execute_command(*args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
 
-def test_large_entry_is_chunked_under_one_hash_tag_and_head_written_last(
+def test_large_entry_is_chunked_under_one_hash_tag_and_switched_in_by_one_script(
     redis_url: str, raw: redis.Redis
 ) -> None:
     client = _RecordingClient(make_client(CacheConfig(redis_url=redis_url)))
-    tier = RedisTier(client, KEYS, RedisTierOptions(chunk_bytes=CHUNK))
+    tier = RedisTier(client, KEYS, RedisTierOptions(chunk_bytes=CHUNK, orphan_grace_s=30))
     tensor = bf16(300, seed=1)  # 307200 bytes of tensor data
+    raw.script_flush()  # the server does not know the script yet
     assert tier.put("item/1 ü", tensor)  # an id that needs escaping
     head = KEYS.head("item/1 ü")
+    header = read_header(raw.get(head))
+    chunks = [f"{head}:{header.write_id:016x}:c{i}" for i in range(1, 6)]
 
-    # head + five chunks, named by KeyBuilder.chunk, and nothing else
-    assert all_keys(raw) == entry_keys(head, 5)
+    # head + five chunks named by the write's id, and nothing else
+    assert chunks_of(raw, head) == chunks
+    assert all_keys(raw) == {head, *chunks}
     # parts stay ALLOCATOR_SLACK under chunk_bytes (Redis's allocator size classes)
     part = CHUNK - ALLOCATOR_SLACK
-    sizes = [raw.strlen(KeyBuilder.chunk(head, i)) for i in range(1, 6)]
+    sizes = [raw.strlen(chunk) for chunk in chunks]
     assert sizes == [part] * 5 and 5 * part == 307200
-    header = read_header(raw.get(head))
     assert header.part_bytes == part
     assert raw.strlen(head) + sum(sizes) == header.total_len
 
     # one Cluster hash tag (and so one slot) for the whole entry
-    tags = {k[k.index("{") + 1 : k.index("}")] for k in entry_keys(head, 5)}
+    tags = {k[k.index("{") + 1 : k.index("}")] for k in (head, *chunks)}
     assert tags == {f"{KEYS.fingerprint}.item%2F1%20%C3%BC"}
-    assert len({key_slot(k.encode()) for k in entry_keys(head, 5)}) == 1
+    assert len({key_slot(k.encode()) for k in (head, *chunks)}) == 1
 
-    # one non-transactional pipeline of the chunks in order; the head only after it succeeded
-    expected = [("pipeline", "False")]
-    expected += [("set", KeyBuilder.chunk(head, i)) for i in range(1, 6)]
-    expected += [("execute", ""), ("set", head)]
+    # one round trip: a non-transactional pipeline of the chunks in order, then the head value
+    # under a key of the write's own, each under the grace TTL (no head names them yet), then
+    # the script that renames that value onto the head key. The head key is never SET
+    # directly, so no reader can see a head before its chunks. (The server did not know the
+    # script yet: it answered NOSCRIPT, and the script went once more in full, EVAL.)
+    pending = f"{head}:{header.write_id:016x}:h"
+    expected: list[tuple[str, ...]] = [("pipeline", "False")]
+    expected += [("set", chunk, "30000") for chunk in chunks]
+    expected += [("set", pending, "30000"), ("EVALSHA", head, pending, *chunks), ("execute",)]
+    expected += [("EVAL", head, pending, *chunks)]
     assert client.log == expected
+    # the switch gave the chunks the entry's lifetime (none: ttl_s is 0)
+    assert {raw.pttl(k) for k in (head, *chunks)} == {-1}
     assert_bit_exact(tier.get("item/1 ü"), tensor)
+
+    client.log.clear()
+    assert tier.put("item/1 ü", tensor)  # a rewrite; now the server knows the script
+    new_chunks = chunks_of(raw, head)
+    pending = f"{head}:{read_header(raw.get(head)).write_id:016x}:h"
+    # the pipelined script found a chunked entry there (it assumes none) and answered with its
+    # head; a second round retires that head's chunks
+    assert client.log[-3:] == [
+        ("EVALSHA", head, pending, *new_chunks),
+        ("execute",),
+        ("EVALSHA", head, pending, *new_chunks, *chunks),
+    ]
+    assert not set(new_chunks) & set(chunks)  # new keys; the old ones retire in the grace
+    assert {raw.pttl(k) for k in (head, *new_chunks)} == {-1}
+    assert all(0 < raw.pttl(k) <= 30_000 for k in chunks)
     tier.close()
 
 
@@ -196,26 +240,16 @@ def test_delete_never_raises_on_a_head_declaring_tiny_parts(
 
 @pytest.mark.parametrize("missing", [[1], [3], [5], [2, 4]], ids=str)
 def test_a_missing_chunk_is_a_clean_miss_and_the_rest_is_unlinked(
-    make_tier: Callable[..., RedisTier],
-    raw: redis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-    missing: list[int],
+    make_tier: Callable[..., RedisTier], raw: redis.Redis, missing: list[int]
 ) -> None:
     tier = make_tier()
     assert tier.put("p", bf16(300, 5))
     assert tier.put("other", bf16(300, 6))
     head = KEYS.head("p")
+    chunks = chunks_of(raw, head)
     for i in missing:
-        raw.delete(KeyBuilder.chunk(head, i))  # as if Redis evicted it
+        raw.delete(chunks[i - 1])  # as if Redis evicted it
 
-    unlinked: list[tuple[str, ...]] = []
-    real_unlink = tier.client.unlink
-
-    def spy(*names: str) -> Any:
-        unlinked.append(names)
-        return real_unlink(*names)
-
-    monkeypatch.setattr(tier.client, "unlink", spy)
     got = tier.get_many(["p", "other"])
     assert got["p"] is None
     assert_bit_exact(got["other"], bf16(300, 6))
@@ -223,8 +257,8 @@ def test_a_missing_chunk_is_a_clean_miss_and_the_rest_is_unlinked(
     assert stats["partial_entries"] == 1
     assert stats.get("bad_blobs", 0) == 0
     assert stats.get("errors", 0) == 0
-    assert unlinked == [(head, *(KeyBuilder.chunk(head, i) for i in range(1, 6)))]  # one UNLINK
-    assert all_keys(raw) == entry_keys(KEYS.head("other"), 5)
+    assert stats.get("discards_skipped_newer", 0) == 0  # it was still current: deleted
+    assert all_keys(raw) == entry_keys(raw, KEYS.head("other"), 5)  # head and chunks gone
     assert tier.get("p") is None  # still a miss, and no error
     assert tier.put("p", bf16(300, 7))  # the key is usable again
     assert_bit_exact(tier.get("p"), bf16(300, 7))
@@ -264,7 +298,7 @@ def _set_head(transform: Callable[[bytes], bytes]) -> Corruptor:
 
 def _set_chunk(index: int, transform: Callable[[bytes], bytes]) -> Corruptor:
     def corrupt(raw: redis.Redis, head: str) -> None:
-        key = KeyBuilder.chunk(head, index)
+        key = chunks_of(raw, head)[index - 1]
         raw.set(key, transform(raw.get(key)))
 
     return corrupt
@@ -293,7 +327,7 @@ CORRUPTIONS: list[tuple[str, bool, Corruptor, bool]] = [
 
 
 def _swap(raw: redis.Redis, head: str, i: int, j: int) -> None:
-    a, b = KeyBuilder.chunk(head, i), KeyBuilder.chunk(head, j)
+    a, b = chunks_of(raw, head)[i - 1], chunks_of(raw, head)[j - 1]
     va, vb = raw.get(a), raw.get(b)
     raw.set(a, vb)
     raw.set(b, va)
@@ -388,7 +422,7 @@ def test_forged_header_declaring_a_huge_blob_is_rejected_without_fetching_it(
     numel = shape[0] * shape[1]
     raw_len = 64 + numel * 4
     fields = [MAGIC, FORMAT_VERSION, CODEC_NONE, 0, 3, 2, 0, 0, *shape]
-    fields += [raw_len, raw_len, 0, CHUNK, 0]
+    fields += [raw_len, raw_len, 0, CHUNK, 1, 0]
     checked = HEADER.pack(*fields)[:CHECKED_SIZE]
     head = checked + xxhash.xxh3_64(checked).intdigest().to_bytes(8, "little")
     key = KEYS.head("forged")
@@ -411,7 +445,7 @@ def test_ttl_applies_to_head_and_chunks(
 ) -> None:
     tier = make_tier(ttl_s=30)
     tier.put("t", bf16(300, 13))
-    keys = entry_keys(KEYS.head("t"), 5)
+    keys = entry_keys(raw, KEYS.head("t"), 5)
     assert all_keys(raw) == keys
     for key, pttl in _pttls(raw, keys).items():
         assert 0 < pttl <= 30_000, key
@@ -423,7 +457,7 @@ def test_without_ttl_entries_never_expire(
     tier = make_tier()
     tier.put("t", bf16(300, 14))
     tier.get("t")
-    keys = entry_keys(KEYS.head("t"), 5)
+    keys = entry_keys(raw, KEYS.head("t"), 5)
     assert set(_pttls(raw, keys).values()) == {-1}
 
 
@@ -436,7 +470,7 @@ def test_sliding_ttl_is_renewed_by_reads(
     tier = make_tier(ttl_s=100, ttl_sliding=sliding)
     tensor = bf16(300, 15)
     tier.put("t", tensor)
-    keys = entry_keys(KEYS.head("t"), 5)
+    keys = entry_keys(raw, KEYS.head("t"), 5)
     for key in keys:
         raw.pexpire(key, 5_000)
     assert_bit_exact(tier.get("t"), tensor)
@@ -457,7 +491,7 @@ def test_sliding_ttl_in_real_time(make_tier: Callable[..., RedisTier], raw: redi
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert tier.get("t") is not None
-    for key, pttl in _pttls(raw, entry_keys(head, 5)).items():
+    for key, pttl in _pttls(raw, entry_keys(raw, head, 5)).items():
         assert 1_300 < pttl <= 2_000, key  # not renewed would be <= 1200
 
 
@@ -546,34 +580,49 @@ def test_cache_default_auto_compression_keeps_random_bf16_raw(
 
 
 @pytest.mark.parametrize("ttl_s", [0.0, 30.0])
-def test_large_raw_entries_are_read_straight_into_the_tensor(
-    redis_url: str, raw: redis.Redis, ttl_s: float
+@pytest.mark.parametrize("path", ["direct", "pipelined"])
+def test_large_entries_are_read_and_renewed_on_both_read_paths(
+    redis_url: str, raw: redis.Redis, ttl_s: float, path: str
 ) -> None:
-    """The one-copy path (chunks recv_into'd into the tensor) is the one real clients take,
-    also with a sliding TTL (GETEX), and it renews every chunk's TTL."""
-    tier = RedisTier(
-        make_client(CacheConfig(redis_url=redis_url)),
-        KEYS,
-        RedisTierOptions(chunk_bytes=CHUNK, ttl_s=ttl_s),
+    """The one-copy path (chunks recv_into'd into the tensor) is the one our clients take;
+    other clients take the pipelined one. With a sliding TTL both renew the head (GETEX) and
+    every chunk (the renew script, sent ahead of the chunk GETs) -- also right after the
+    server forgot its scripts (NOSCRIPT: the script is sent again)."""
+    client = (
+        make_client(CacheConfig(redis_url=redis_url))
+        if path == "direct"
+        else redis.Redis.from_url(redis_url)
     )
+    tier = RedisTier(client, KEYS, RedisTierOptions(chunk_bytes=CHUNK, ttl_s=ttl_s))
     tensor = bf16(300, seed=21)
     assert tier.put("direct", tensor)
     head = KEYS.head("direct")
-    if ttl_s:
-        for i in range(1, 6):
-            raw.pexpire(KeyBuilder.chunk(head, i), 5_000)
-    assert_bit_exact(tier.get("direct"), tensor)
-    assert tier.stats()["direct_reads"] == 1
-    if ttl_s:
-        assert all(raw.pttl(KeyBuilder.chunk(head, i)) > 20_000 for i in range(1, 6))
+    keys = entry_keys(raw, head, 5)
+    for flush in (False, True):
+        if flush:
+            raw.script_flush()
+        if ttl_s:
+            for key in keys:
+                raw.pexpire(key, 5_000)
+        assert_bit_exact(tier.get("direct"), tensor)
+        if ttl_s:
+            assert all(raw.pttl(key) > 20_000 for key in keys), _pttls(raw, keys)
+        else:
+            assert all(raw.pttl(key) == -1 for key in keys)
+    assert tier.stats().get("direct_reads", 0) == (2 if path == "direct" else 0)
+    assert tier.stats().get("renew_errors", 0) == 0
     tier.close()
 
 
-def test_clients_without_plain_sockets_take_the_pipelined_path(
-    make_tier: Callable[..., RedisTier],
-) -> None:
-    fake = RedisTier(fakeredis.FakeRedis(), KEYS, RedisTierOptions(chunk_bytes=CHUNK))
+def test_fakeredis_with_lua_serves_the_whole_protocol() -> None:
+    """The embedded fallback server (fakeredis, with lupa for Lua) runs the entry scripts."""
+    fake = RedisTier(fakeredis.FakeRedis(), KEYS, RedisTierOptions(chunk_bytes=CHUNK, ttl_s=60))
     tensor = bf16(300, seed=22)
     assert fake.put("p", tensor)
     assert_bit_exact(fake.get("p"), tensor)
-    assert "direct_reads" not in fake.stats()
+    assert fake.put("p", bf16(10, seed=23))  # a shrinking rewrite
+    assert_bit_exact(fake.get("p"), bf16(10, seed=23))
+    fake.delete("p")
+    assert fake.get("p") is None
+    stats = fake.stats()
+    assert "direct_reads" not in stats and stats.get("errors", 0) == 0, stats

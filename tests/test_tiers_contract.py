@@ -16,6 +16,7 @@ import pytest
 import redis
 import torch
 
+from ec_redis.codec import read_header
 from ec_redis.config import CacheConfig
 from ec_redis.embedded import Flavor
 from ec_redis.keys import KeyBuilder, ModelIdentity
@@ -368,10 +369,11 @@ def test_real_redis_holds_the_chunked_layout(redis_url: str) -> None:
     try:
         tier = _redis_tier(client)
         tier.put("x", big(40))
+        head = tier.keys.head("x")
         raw = redis.Redis.from_url(redis_url)
         keys = sorted(k.decode() for k in raw.keys("*"))
+        write_id = read_header(raw.get(head) or b"").write_id
         raw.close()
-        head = tier.keys.head("x")
-        assert keys == sorted([head] + [KeyBuilder.chunk(head, i) for i in range(1, 6)])
+        assert keys == sorted([head, *KeyBuilder.chunks(head, write_id, 5)])
     finally:
         client.close()

@@ -305,7 +305,8 @@ def test_a_missing_tls_file_is_a_config_error_naming_the_key(
 # -- ACL -------------------------------------------------------------------------------------
 
 READ = ("+get", "+getex", "+exists", "+getrange", "+strlen")
-WRITE = ("+set", "+unlink")
+# entries are switched, renewed and deleted by Lua scripts (their commands are checked too)
+WRITE = ("+set", "+unlink", "+rename", "+pexpire", "+persist", "+evalsha", "+eval")
 CONNECT = ("+ping", "+hello", "+auth", "+client|setname", "+client|setinfo")
 
 

@@ -395,6 +395,7 @@ def _tier_options(config: CacheConfig, identity: ModelIdentity) -> RedisTierOpti
         max_blob_bytes=config.max_blob_bytes,
         ttl_s=config.ttl_s,
         ttl_sliding=config.ttl_sliding,
+        orphan_grace_s=config.orphan_grace_s,
         compression=config.compression,
         compression_min_ratio=config.compression_min_ratio,
         byte_shuffle=config.byte_shuffle,

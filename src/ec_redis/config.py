@@ -223,6 +223,15 @@ class CacheConfig:
         default=True,
         metadata=_key(_bool, "true", "Reads renew the TTL (GETEX), so hot entries stay."),
     )
+    orphan_grace_s: float = field(
+        default=30.0,
+        metadata=_key(
+            _float_at_least(0.1),
+            "30",
+            "Lifetime of keys no head names (being written, replaced, left by a crash); "
+            "longer than any write or read of one entry.",
+        ),
+    )
     compression: str = field(
         default="auto",
         metadata=_key(_compression, '"auto"', "none | lz4 | auto (lz4 only where it pays)."),

@@ -1,8 +1,11 @@
 """Redis key layout: namespace, format version, model fingerprint, escaped full item id.
 
-``{namespace}:v{FORMAT}:{{{fingerprint}.{item}}}`` is an entry's head key; its chunks are
-``<head>:c{i}``. The braces make the whole fingerprint+item the Redis Cluster hash tag, so an
-entry's head and chunks share one slot while different entries spread over every master.
+``{namespace}:v{FORMAT}:{{{fingerprint}.{item}}}`` is an entry's head key; the chunks of the
+write whose header carries write id ``w`` are ``<head>:{w:016x}:c{i}``, so a rewrite never
+touches the chunks readers of the current version are fetching, and ``<head>:{w:016x}:h``
+holds that write's head until it is renamed onto the head key. The braces make the whole
+fingerprint+item the Redis Cluster hash tag, so an entry's head and every version's chunks
+share one slot while different entries spread over every master.
 
 The fingerprint hashes the model identity (name, revision, dtype, width and, when known, the
 weights fingerprint of ``ec_redis.fingerprint`` or the ``model_fingerprint`` setting) and the
@@ -82,14 +85,24 @@ class KeyBuilder:
         return f"{self.prefix}{escape_item(item)}}}"
 
     @staticmethod
-    def chunk(head: str, index: int) -> str:
-        """The key of chunk ``index`` (1-based) of the entry at ``head``."""
-        return f"{head}:c{index}"
+    def chunk(head: str, write_id: int, index: int) -> str:
+        """The key of chunk ``index`` (1-based) of write ``write_id`` of the entry at ``head``."""
+        return f"{head}:{write_id:016x}:c{index}"
+
+    @staticmethod
+    def pending(head: str, write_id: int) -> str:
+        """Where write ``write_id`` stores its head value until it is switched in."""
+        return f"{head}:{write_id:016x}:h"
+
+    @staticmethod
+    def chunks(head: str, write_id: int, count: int) -> list[str]:
+        """The keys of chunks 1..``count`` of write ``write_id`` of the entry at ``head``."""
+        return [f"{head}:{write_id:016x}:c{i}" for i in range(1, count + 1)]
 
     def channel(self) -> str:
         """The pub/sub channel on which writers announce this model's new entries."""
         return f"{self.namespace}:v{FORMAT_VERSION}:stored:{self.fingerprint}"
 
     def pattern(self) -> str:
-        """A SCAN pattern matching every key of this model (heads and chunks)."""
+        """A SCAN pattern matching every key of this model (heads and every write's chunks)."""
         return f"{self.namespace}:v{FORMAT_VERSION}:{{{self.fingerprint}.*"

@@ -289,8 +289,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def bench_connector(args: argparse.Namespace) -> int:
-    if args.scheduler or args.metadata:
-        return _bench_steps(args)
+    if args.scheduler:
+        return _bench_scheduler(args)
     rows = _bench_hooks(args, args.quick, args.runs)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
@@ -301,18 +301,17 @@ def bench_connector(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_steps(args: argparse.Namespace) -> int:
+def _bench_scheduler(args: argparse.Namespace) -> int:
     _vllm_logs_to_stderr()
     try:
-        from ec_redis.connector import meta_bench, sched_bench
+        from ec_redis.connector import sched_bench
     except ImportError as exc:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
-    bench: Any = sched_bench if args.scheduler else meta_bench
-    rows = bench.run(args.steps, _err)
+    rows = sched_bench.run(args.steps, _err)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
-        print(bench.render(rows))
+        print(sched_bench.render(rows))
     return 0
 
 

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ec_redis.codec.format import HEADER_SIZE
 from ec_redis.config import CacheConfig
 from ec_redis.errors import RedisSetupError
 from ec_redis.redis_url import mask_url, parse_target
@@ -151,24 +152,29 @@ def _memory(client: Any, config: CacheConfig) -> list[Finding]:
 
 
 def _probe(client: Any, config: CacheConfig) -> Finding:
+    """SET, GET, then delete through the entry scripts' compare-and-delete: what the cache
+    does (entries are switched and deleted by Lua scripts, EVALSHA/EVAL)."""
+    from ec_redis.tiers.scripts import DELETE, DELETED
+
     key = f"{config.namespace}:doctor:{{{uuid.uuid4().hex}}}"
     value = os.urandom(1024)
     try:
         client.set(key, value, px=60_000)
         back = client.get(key)
-        client.unlink(key)
+        deleted = int(DELETE.run(client, [key], [value[:HEADER_SIZE]])[0]) == DELETED
     except Exception as exc:
         return Finding(
             FAIL,
             "probe",
-            f"write/read/delete of {key} failed: {exc}",
-            f"give the user read/write rights on ~{config.namespace}:*",
+            f"write/read/script delete of {key} failed: {exc}",
+            f"give the user rights on ~{config.namespace}:* incl. +evalsha +eval "
+            "(Lua scripting must be enabled)",
         )
-    if back != value:
+    if back != value or not deleted:
         return Finding(
             FAIL, "probe", "read back different bytes", "check for a proxy rewriting values"
         )
-    return Finding(OK, "probe", f"write/read/delete under {config.namespace}:* ok")
+    return Finding(OK, "probe", f"write/read/script delete under {config.namespace}:* ok")
 
 
 def _first(reply: Any) -> dict[str, Any]:

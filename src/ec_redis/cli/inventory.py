@@ -1,7 +1,9 @@
 """What is in Redis: entries found by SCAN (bounded), their headers, per-model totals, purge.
 
 Works on any topology (redis-py's cluster client scans every master). Reads only headers
-(``GETRANGE``) unless asked to verify an entry.
+(``GETRANGE``) unless asked to verify an entry. An entry is its head key: the chunks of the
+version the head names are counted with it; chunks of replaced or unfinished writes (which
+expire after ``orphan_grace_s``) are not entries, and ``purge`` removes them with the rest.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 from urllib.parse import unquote
 
 from ec_redis.codec import decode_parts, read_header
-from ec_redis.codec.format import HEADER_SIZE, MAX_PRODUCER_BYTES, BlobHeader
+from ec_redis.codec.format import BlobHeader
 from ec_redis.errors import BlobError
-from ec_redis.keys import HASHED_PREFIX, KeyBuilder
-from ec_redis.tiers.redis_tier import chunk_count
+from ec_redis.keys import HASHED_PREFIX
+from ec_redis.tiers.layout import PROBE_BYTES, chunk_count, chunk_keys
 
 _HEAD = re.compile(
     r"^(?P<ns>[A-Za-z0-9._-]+):v(?P<version>\d+):\{(?P<fp>[0-9a-f]{32})\.(?P<item>[^}]*)\}$"
@@ -118,7 +120,7 @@ def read_entries(client: Any, keys: list[str]) -> list[Entry]:
         batch = keys[start : start + _BATCH]
         pipe = client.pipeline(transaction=False)
         for key in batch:
-            pipe.getrange(key, 0, HEADER_SIZE + MAX_PRODUCER_BYTES - 1)
+            pipe.getrange(key, 0, PROBE_BYTES - 1)
             pipe.strlen(key)
             pipe.pttl(key)
         replies = pipe.execute()
@@ -164,9 +166,12 @@ def verify(client: Any, entry: Entry) -> str:
     head = client.get(entry.key)
     if head is None:
         return "gone"
-    header = read_header(head)
-    n = _chunks(header, len(head))
-    parts = [head, *(client.get(KeyBuilder.chunk(entry.key, i)) for i in range(1, n + 1))]
+    try:
+        header = read_header(head)
+        keys = chunk_keys(entry.key, header, len(head))
+    except BlobError as exc:
+        return f"corrupt: {exc}"
+    parts = [head, *(client.get(key) for key in keys)]
     if any(p is None for p in parts):
         return "incomplete: a chunk is missing (evicted?)"
     try:
@@ -177,7 +182,8 @@ def verify(client: Any, entry: Entry) -> str:
 
 
 def purge(client: Any, match: str, max_keys: int, progress: Progress | None = None) -> int:
-    """UNLINK every key matching ``match`` (heads and chunks), in batches; returns the count."""
+    """UNLINK every key matching ``match`` (heads and every write's chunks, current or not),
+    in batches; returns the count."""
     removed, batch = 0, []
     for raw in client.scan_iter(match=match, count=1000):
         batch.append(raw)

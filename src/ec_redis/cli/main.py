@@ -20,7 +20,7 @@ EPILOG = """examples:
   ec-redis doctor --redis-url redis://cache:6379/0
   ec-redis stats  --redis-url redis+cluster://h1:7000,h2:7001 --json
   ec-redis ls     --redis-url redis://cache:6379/0 --namespace ecr --limit 20
-  ec-redis inspect 'ecr:v1:{3f2a....e1.0c1d...}' --redis-url redis://cache:6379/0 --verify
+  ec-redis inspect 'ecr:v2:{3f2a....e1.0c1d...}' --redis-url redis://cache:6379/0 --verify
   ec-redis purge  --redis-url redis://cache:6379/0 --namespace ecr --yes
   ec-redis bench  --quick --compare --plot docs/throughput.png
   ec-redis fingerprint /models/current            # the weights part of the model identity
@@ -125,12 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: what the scheduler hooks add to one step with 1/64/256 requests waiting",
     )
-    hooks.add_argument(
-        "--metadata",
-        action="store_true",
-        help="instead: step metadata to 2 TP ranks, staged bytes inline vs tmpfs files",
-    )
-    hooks.add_argument("--steps", type=int, default=200, help="--scheduler/--metadata: steps")
+    hooks.add_argument("--steps", type=int, default=200, help="--scheduler: steps per size")
     fp = command("fingerprint", "the weights fingerprint a model path or hub id gets", "none")
     fp.add_argument("model", help="a checkpoint folder or file, or a hub id (as given to vLLM)")
     fp.add_argument("--revision", help="the hub revision (default: main)")

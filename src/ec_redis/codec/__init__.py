@@ -39,6 +39,7 @@ from ec_redis.codec.format import (
     MAX_PRODUCER_BYTES,
     BlobHeader,
     DType,
+    new_write_id,
 )
 from ec_redis.codec.safetensors_doc import MAX_HEADER_BYTES, build_header, parse_header
 from ec_redis.errors import BlobError, BlobTooLargeError, TensorError
@@ -71,13 +72,19 @@ def encode_parts(
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
     created_s: float | None = None,
     model: str = "",
+    write_id: int | None = None,
 ) -> list[Buffer]:
     """Encode a host tensor into blob parts; part 0 is the head and carries the header.
 
     With ``part_bytes == 0`` or a blob that fits in ``part_bytes``, one part is returned.
     Larger blobs become a small head plus data parts of ``part_bytes`` that reference the
-    tensor's (or the compressed payload's) memory without copying it.
+    tensor's (or the compressed payload's) memory without copying it. ``write_id`` (default:
+    a fresh random one) goes into the header; a storage layer names the parts' keys with it.
     """
+    if write_id is None:
+        write_id = new_write_id()
+    if not 0 < write_id < 2**64:
+        raise TensorError(f"write_id must be a non-zero 64-bit integer, got {write_id}")
     dtype, shape = _check_tensor(tensor)
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     data = flat.numpy().data
@@ -114,7 +121,7 @@ def encode_parts(
     padded_shape = list(shape) + [0] * (MAX_NDIM - len(shape))
     fields = [
         MAGIC, FORMAT_VERSION, codec, flags, dtype.code, len(shape), len(producer), 0,
-        *padded_shape, raw_len, payload_len, checksum, part_bytes if chunked else 0,
+        *padded_shape, raw_len, payload_len, checksum, part_bytes if chunked else 0, write_id,
     ]  # fmt: skip
     checked = HEADER.pack(*fields, 0)[:CHECKED_SIZE]
     header_sum = xxhash.xxh3_64(checked + producer).intdigest()
@@ -140,7 +147,7 @@ def read_header(head: Buffer, *, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES) -
         raise BlobError(f"blob truncated: {len(head)} bytes is shorter than the header")
     (
         magic, version, codec, flags, dtype_code, ndim, producer_len, reserved,
-        d0, d1, d2, d3, raw_len, payload_len, checksum, part_bytes, header_sum,
+        d0, d1, d2, d3, raw_len, payload_len, checksum, part_bytes, write_id, header_sum,
     ) = HEADER.unpack_from(head, 0)  # fmt: skip
     if magic != MAGIC:
         raise BlobError(f"not an ec_redis blob (magic {bytes(magic)!r})")
@@ -159,6 +166,8 @@ def read_header(head: Buffer, *, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES) -
         raise BlobError(f"unknown codec {codec} or flags {flags:#x}")
     if codec == CODEC_NONE and flags:
         raise BlobError("raw payloads cannot be byte-shuffled")
+    if write_id == 0:
+        raise BlobError("blob has no write id")
     dims = (d0, d1, d2, d3)
     if not 1 <= ndim <= MAX_NDIM or any(dims[ndim:]):
         raise BlobError(f"invalid rank {ndim} for shape {dims}")
@@ -195,6 +204,7 @@ def read_header(head: Buffer, *, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES) -
         payload_len=payload_len,
         checksum=checksum,
         part_bytes=part_bytes,
+        write_id=write_id,
         payload_offset=HEADER_SIZE + producer_len,
     )
 

@@ -16,27 +16,35 @@ Layout of one blob (all integers little-endian)::
       56    8  payload_len         bytes of the stored payload (raw or compressed)
       64    8  checksum            xxh3-64 of the uncompressed safetensors document
       72    8  part_bytes          0: one value; else size of the data parts after the head
-      80    8  header_checksum     xxh3-64 of bytes [0, 80) plus the producer bytes
-      88    .  producer JSON, then the payload
+      80    8  write_id            random, never 0, new for every write: names the chunk keys
+                                   of a chunked entry and makes every head's header unique
+      88    8  header_checksum     xxh3-64 of bytes [0, 88) plus the producer bytes
+      96    .  producer JSON, then the payload
 
 The payload is a safetensors document holding one tensor named ``"ec_cache"``.
+
+Version 2 added ``write_id`` (the header grew from 88 to 96 bytes): a rewrite stores its chunks
+under new keys, so readers of the entry it replaces never see them (see ``tiers/layout.py``).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
 import torch
 
 MAGIC = b"ECRB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 TENSOR_NAME = "ec_cache"
 MAX_NDIM = 4
 MAX_PRODUCER_BYTES = 1024
-HEADER = struct.Struct("<4sHBBBBHI4QQQQQQ")
-HEADER_SIZE = HEADER.size  # 88
+HEADER = struct.Struct("<4sHBBBBHI4QQQQQQQ")
+HEADER_SIZE = HEADER.size  # 96
 CHECKED_SIZE = HEADER_SIZE - 8
+PART_BYTES_AT = 72  # offsets the Redis tier's Lua scripts read without parsing the header
+WRITE_ID_AT = 80
 
 CODEC_NONE = 0
 CODEC_LZ4 = 1
@@ -85,6 +93,7 @@ class BlobHeader:
     payload_len: int
     checksum: int
     part_bytes: int
+    write_id: int
     payload_offset: int
 
     @property
@@ -106,3 +115,8 @@ class BlobHeader:
     @property
     def shuffled(self) -> bool:
         return bool(self.flags & FLAG_SHUFFLED)
+
+
+def new_write_id() -> int:
+    """A random, non-zero 64-bit write id (see the ``write_id`` header field)."""
+    return int.from_bytes(os.urandom(8), "little") or 1

@@ -2,9 +2,10 @@
 
 redis-py's parser materialises every reply as a ``bytes`` object, which the cache would then
 copy again into the tensor. For the chunks of a large entry this reader sends the GETs on a
-pooled connection and ``recv_into``s each reply into its slice of the destination. Only for a
-plain ``redis.Redis`` client (one server, TCP/TLS/Unix); any surprise disconnects the
-connection, so the pool never reuses one in an unknown state.
+pooled connection and ``recv_into``s each reply into its slice of the destination. Commands
+sent ahead of the GETs in the same write (``prelude``: the TTL renewal script) have their small
+replies parsed and returned. Only for a plain ``redis.Redis`` client (one server, TCP/TLS/Unix);
+any surprise disconnects the connection, so the pool never reuses one in an unknown state.
 """
 
 from __future__ import annotations
@@ -35,24 +36,31 @@ def supported(client: Any) -> bool:
     return isinstance(client, redis.Redis) and isinstance(kind, type) and issubclass(kind, ours)
 
 
+Reply = bytes | int | None | ResponseError | list[Any]
+_MAX_SMALL_REPLY = 1 << 20
+
+
 def read_into(
-    client: Any, keys: Sequence[str], targets: Sequence[memoryview], renew_px: int | None = None
-) -> list[int | None]:
-    """GET (or GETEX ... PX ``renew_px``) every key into its target. Per key: ``None`` when
-    the key is missing, else the value's length (read into the target only when it is
-    exactly the target's length; otherwise skipped). Redis errors raise."""
+    client: Any,
+    keys: Sequence[str],
+    targets: Sequence[memoryview],
+    prelude: Sequence[Sequence[Any]] = (),
+) -> tuple[list[Reply], list[int | None]]:
+    """Send the ``prelude`` commands, then GET every key into its target. Returns the prelude's
+    replies (an error reply is returned as a ``ResponseError``, not raised) and, per key,
+    ``None`` when the key is missing, else the value's length (read into the target only when
+    it is exactly the target's length; otherwise skipped). A GET's error reply raises."""
     pool = client.connection_pool
     conn = pool.get_connection()
     clean = False
     try:
-        commands = [
-            ("GET", key) if renew_px is None else ("GETEX", key, "PX", renew_px) for key in keys
-        ]
+        commands = [*prelude, *(("GET", key) for key in keys)]
         conn.send_packed_command(conn.pack_commands(commands))
         reader = _Reader(conn._sock)
+        replies = [reader.reply() for _ in prelude]
         found = [reader.bulk_into(target) for target in targets]
         clean = True
-        return found
+        return replies, found
     finally:
         if not clean:
             conn.disconnect()
@@ -82,6 +90,27 @@ class _Reader:
         if self._take(2) != b"\r\n":
             raise RedisConnectionError("malformed bulk reply")
         return size
+
+    def reply(self) -> Reply:
+        """One small reply of any RESP2 type (and RESP3's null)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return ResponseError(rest.decode(errors="replace"))
+        if kind == b"+":
+            return rest
+        if kind == b":":
+            return int(rest)
+        if kind == b"_":
+            return None
+        if kind in (b"$", b"*") and int(rest) < 0:
+            return None
+        if kind == b"$" and int(rest) <= _MAX_SMALL_REPLY:
+            data = self._take(int(rest) + 2)
+            return data[:-2]
+        if kind == b"*" and int(rest) <= _MAX_SMALL_REPLY:
+            return [self.reply() for _ in range(int(rest))]
+        raise RedisConnectionError(f"unexpected reply {line[:32]!r}")
 
     def _line(self) -> bytes:
         while (end := self._buf.find(b"\r\n")) < 0:

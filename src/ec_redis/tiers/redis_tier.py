@@ -1,10 +1,14 @@
-"""Redis cold tier: one self-describing blob per entry, chunked above ``chunk_bytes``.
+"""Redis cold tier: versioned entries (a head, chunks named by the write), switched atomically.
 
-An entry is a head key (header, plus the whole blob when small) and, for large entries,
-chunk keys ``<head>:c1..cN`` that share the head's Cluster hash slot. Writes send chunks
-first and the head **last** in one pipeline, so a reader that finds the head finds a whole
-entry (or, after a partial eviction, a clean miss). Reads pipeline the heads of a batch, then
-all the chunks. Every failure is a miss plus a counter; nothing raises out of this tier.
+An entry is a head key (header, plus the whole blob when small) and, for large entries, chunk
+keys named by the write's random id (``tiers/layout.py``), all in the head's Cluster hash slot.
+A write stores its chunks and head value under a grace TTL, then one Lua script
+(``tiers/scripts.py``) checks they are all there, renames the head value onto the head key,
+gives them the entry's TTL and puts the grace TTL on the chunks of the version it replaced. A
+reader fetches the head, then the chunks that head names: one whole version or a miss,
+whatever other writers do meanwhile; a bad version it read is deleted only while it is still
+current. Every failure is a miss or False plus a counter; nothing raises out of this tier,
+and every call the breaker admits settles it.
 """
 
 from __future__ import annotations
@@ -15,31 +19,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 import torch
-from redis.exceptions import NoPermissionError, OutOfMemoryError
 
 from ec_redis.breaker import CircuitBreaker
-from ec_redis.codec import (
-    decode_parts,
-    direct_layout,
-    encode_parts,
-    finish_direct,
-    read_header,
-)
-from ec_redis.codec.format import HEADER_SIZE, MAX_PRODUCER_BYTES, BlobHeader
+from ec_redis.codec import decode_parts, direct_layout, encode_parts, finish_direct, read_header
+from ec_redis.codec.format import HEADER_SIZE, MAX_PRODUCER_BYTES, BlobHeader, new_write_id
 from ec_redis.errors import BlobError, BlobTooLargeError
 from ec_redis.keys import KeyBuilder
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
-from ec_redis.tiers import bulk_read
+from ec_redis.tiers import bulk_read, entry_ops
 from ec_redis.tiers.base import Tier, tensor_nbytes
-
-# Chunks stay this much under chunk_bytes so a chunk plus Redis's string header fits in the
-# allocator's size class (an exact 4 MiB value costs jemalloc a 5 MiB allocation).
-ALLOCATOR_SLACK = 4096
-MIN_PART_BYTES = 60 * 1024  # a forged header cannot make a reader fetch millions of keys
-REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+from ec_redis.tiers.guard import REDIS_ERRORS, Guard
+from ec_redis.tiers.layout import chunk_keys, part_size
+from ec_redis.tiers.scripts import RENEW, is_noscript
 
 
 @dataclass(frozen=True)
@@ -50,11 +43,23 @@ class RedisTierOptions:
     max_blob_bytes: int = 512 * 1024 * 1024
     ttl_s: float = 0.0
     ttl_sliding: bool = True
+    orphan_grace_s: float = 30.0
     compression: str = "none"
     compression_min_ratio: float = 1.1
     byte_shuffle: bool = False
     producer_id: str = ""
     model: str = ""  # written into blob headers for operators' tools
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A chunked entry's head as read: which chunks to fetch, what to compare against."""
+
+    item: str
+    head_key: str
+    head: bytes
+    header: BlobHeader
+    chunk_keys: list[str]
 
 
 class RedisTier(Tier):
@@ -70,11 +75,21 @@ class RedisTier(Tier):
         self.client = client
         self.keys = keys
         self.options = options
-        self.breaker = breaker or CircuitBreaker()
         self.counters = Counters()
         self._log = RateLimitedLog()
+        self._guard = Guard(breaker or CircuitBreaker(), self.counters, self._log)
         self._ttl_ms = int(options.ttl_s * 1000) if options.ttl_s > 0 else None
+        self._renew_ms = self._ttl_ms if options.ttl_sliding else None
+        self._grace_ms = max(1, int(options.orphan_grace_s * 1000))
         self._direct = bulk_read.supported(client)
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self._guard.breaker
+
+    @breaker.setter
+    def breaker(self, breaker: CircuitBreaker) -> None:
+        self._guard.breaker = breaker
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -83,30 +98,13 @@ class RedisTier(Tier):
 
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor | None]:
         items = list(dict.fromkeys(keys))
-        out: dict[str, torch.Tensor | None] = dict.fromkeys(items)
         head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
-        if not items or not self._allow():
-            return out
-        started = time.perf_counter()
-        try:
-            heads = self._read(head_keys)
-            pending: list[tuple[str, str, bytes, BlobHeader, int]] = []
-            for item, head in zip(items, heads, strict=True):
-                self._classify(item, head, out, pending)
-            pending = [p for p in pending if not self._read_direct(p, out)]
-            if pending:
-                chunk_keys = [
-                    self.keys.chunk(head_key, i) for _, head_key, _, _, n in pending
-                    for i in range(1, n + 1)
-                ]  # fmt: skip
-                chunks = iter(self._read(chunk_keys))
-                for item, head_key, head, header, n in pending:
-                    parts = [head, *(next(chunks) for _ in range(n))]
-                    out[item] = self._assemble(item, head_key, parts, header)
-        except REDIS_ERRORS as exc:
-            self._failed("read", exc)
+        if not items or not self._guard.allow():
             return dict.fromkeys(items)
-        self.breaker.success()
+        started = time.perf_counter()
+        out = self._guard.run("read", lambda: self._get_many(items, head_keys), None)
+        if out is None:
+            return dict.fromkeys(items)
         hits = sum(t is not None for t in out.values())
         self.counters.inc("hits", hits)
         self.counters.inc("misses", len(items) - hits)
@@ -116,88 +114,124 @@ class RedisTier(Tier):
         self.counters.inc("read_us", int((time.perf_counter() - started) * 1e6))
         return out
 
+    def _get_many(self, items: list[str], head_keys: list[str]) -> dict[str, torch.Tensor | None]:
+        out: dict[str, torch.Tensor | None] = dict.fromkeys(items)
+        pipe = self.client.pipeline(transaction=False)
+        for head_key in head_keys:
+            if self._renew_ms is not None:
+                pipe.getex(head_key, px=self._renew_ms)  # reads renew the TTL: hot entries stay
+            else:
+                pipe.get(head_key)
+        found: list[_Found] = []
+        for item, head_key, head in zip(items, head_keys, pipe.execute(), strict=True):
+            entry = self._classify(item, head_key, head, out)
+            if entry is not None:
+                found.append(entry)
+        rest = [entry for entry in found if not self._read_direct(entry, out)]
+        if rest:
+            self._read_chunks(rest, out)
+        return out
+
     def _classify(
-        self,
-        item: str,
-        head: bytes | None,
-        out: dict[str, torch.Tensor | None],
-        pending: list[tuple[str, str, bytes, BlobHeader, int]],
-    ) -> None:
-        """Decode a complete head now, or queue its chunks for the second round trip."""
+        self, item: str, head_key: str, head: bytes | None, out: dict[str, torch.Tensor | None]
+    ) -> _Found | None:
+        """Decode a one-value entry now, or say which chunks the head names."""
         if head is None:
-            return
-        head_key = self.keys.head(item)
+            return None
         try:
             header = read_header(head, max_blob_bytes=self.options.max_blob_bytes)
             if len(head) == header.total_len:
                 out[item] = decode_parts([head], header=header)
-                return
-            n = chunk_count(header, len(head))
+                return None
+            return _Found(item, head_key, head, header, chunk_keys(head_key, header, len(head)))
         except BlobTooLargeError:
             # Valid but over *our* limit: a miss here; a reader with a larger limit may use it.
             self.counters.inc("oversized")
-            return
         except BlobError as exc:
-            self._reject(item, head_key, None, len(head), exc)
-            return
-        pending.append((item, head_key, head, header, n))
+            self._reject(item, head_key, head, [], exc)
+        return None
 
-    def _read_direct(
-        self, entry: tuple[str, str, bytes, BlobHeader, int], out: dict[str, torch.Tensor | None]
-    ) -> bool:
+    def _read_direct(self, entry: _Found, out: dict[str, torch.Tensor | None]) -> bool:
         """Read a raw chunked entry's chunks straight into its tensor (one copy instead of
         two). False when this entry or client cannot take that path (decode_parts then does)."""
-        item, head_key, head, header, n = entry
-        layout = direct_layout(header, len(head))
-        if not self._direct or layout is None or len(layout) != n:
+        layout = direct_layout(entry.header, len(entry.head))
+        if not self._direct or layout is None or len(layout) != len(entry.chunk_keys):
             return False
-        data = torch.empty(header.tensor_nbytes, dtype=torch.uint8)
+        data = torch.empty(entry.header.tensor_nbytes, dtype=torch.uint8)
         view = data.numpy().data
         targets, start = [], 0
         for length in layout:
             targets.append(view[start : start + length])
             start += length
-        keys = [self.keys.chunk(head_key, i) for i in range(1, n + 1)]
-        renew = self._ttl_ms if self.options.ttl_sliding else None
-        sizes = bulk_read.read_into(self.client, keys, targets, renew)
+        prelude = [self._renew_command(entry)] if self._renew_ms is not None else []
+        replies, sizes = bulk_read.read_into(self.client, entry.chunk_keys, targets, prelude)
+        for reply in replies:
+            self._renewed(entry, reply)
         self.counters.inc("direct_reads")
         if any(size is None for size in sizes):
-            self.counters.inc("partial_entries")  # evicted (or rewritten) chunks: a miss
-            self._unlink(head_key, header, len(head))
-            out[item] = None
+            self._partial(entry)
             return True
         try:
             if sizes != layout:
                 raise BlobError("a chunk's length disagrees with the blob header")
-            out[item] = finish_direct(header, head, data)
+            out[entry.item] = finish_direct(entry.header, entry.head, data)
         except BlobError as exc:
-            self._reject(item, head_key, header, len(head), exc)
-            out[item] = None
+            self._reject(entry.item, entry.head_key, entry.head, entry.chunk_keys, exc)
         return True
 
-    def _assemble(
-        self, item: str, head_key: str, parts: Sequence[bytes | None], header: BlobHeader
-    ) -> torch.Tensor | None:
+    def _read_chunks(self, found: list[_Found], out: dict[str, torch.Tensor | None]) -> None:
+        """All chunks of every entry in one pipelined round trip (with their TTL renewals)."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry in found:
+            if self._renew_ms is not None:
+                pipe.execute_command(*self._renew_command(entry))
+            for key in entry.chunk_keys:
+                pipe.get(key)
+        replies = pipe.execute(raise_on_error=False)
+        renewals: list[Any] = []
+        chunks: list[list[Any]] = []
+        at = 0
+        for entry in found:
+            if self._renew_ms is not None:
+                renewals.append(replies[at])
+                at += 1
+            chunks.append(replies[at : at + len(entry.chunk_keys)])
+            at += len(entry.chunk_keys)
+        failed = [r for parts in chunks for r in parts if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]  # a GET refused (e.g. a foreign key's type): the read failed
+        for entry, reply in zip(found, renewals, strict=False):
+            self._renewed(entry, reply)
+        for entry, parts in zip(found, chunks, strict=True):
+            out[entry.item] = self._assemble(entry, [entry.head, *parts])
+
+    def _assemble(self, entry: _Found, parts: Sequence[bytes | None]) -> torch.Tensor | None:
         if any(p is None for p in parts):
-            # Part of the entry was evicted (or is being rewritten): a miss, and clean up.
-            self.counters.inc("partial_entries")
-            self._unlink(head_key, header, len(parts[0] or b""))
+            self._partial(entry)
             return None
         try:
-            return decode_parts([p for p in parts if p is not None], header=header)
+            return decode_parts([p for p in parts if p is not None], header=entry.header)
         except BlobError as exc:
-            self._reject(item, head_key, header, len(parts[0] or b""), exc)
+            self._reject(entry.item, entry.head_key, entry.head, entry.chunk_keys, exc)
             return None
 
-    def _read(self, redis_keys: list[str]) -> list[bytes | None]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in redis_keys:
-            if self._ttl_ms is not None and self.options.ttl_sliding:
-                pipe.getex(k, px=self._ttl_ms)  # reads renew the TTL: hot entries stay
-            else:
-                pipe.get(k)
-        result: list[bytes | None] = pipe.execute()
-        return result
+    def _renew_command(self, entry: _Found) -> tuple[Any, ...]:
+        return RENEW.command(*self._renew_args(entry))
+
+    def _renew_args(self, entry: _Found) -> tuple[list[str], list[Any]]:
+        return [entry.head_key, *entry.chunk_keys], [entry.head[:HEADER_SIZE], self._renew_ms]
+
+    def _renewed(self, entry: _Found, reply: Any) -> None:
+        """Check a chunk-TTL renewal's reply; a server that lacks the script gets it now."""
+        if not isinstance(reply, Exception):
+            return
+        try:
+            if not is_noscript(reply):
+                raise reply
+            RENEW.eval(self.client, *self._renew_args(entry))
+        except REDIS_ERRORS as exc:  # a renewal is best effort: the read itself succeeded
+            self.counters.inc("renew_errors")
+            self._guard.count("renew", exc)
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[key]
@@ -205,18 +239,16 @@ class RedisTier(Tier):
     def contains_many(self, keys: Iterable[str]) -> dict[str, bool]:
         items = list(dict.fromkeys(keys))
         head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
-        if not items or not self._allow():
+        if not items or not self._guard.allow():
             return dict.fromkeys(items, False)
-        try:
+
+        def exists() -> dict[str, bool]:
             pipe = self.client.pipeline(transaction=False)
             for head_key in head_keys:
                 pipe.exists(head_key)
-            found = pipe.execute()
-        except REDIS_ERRORS as exc:
-            self._failed("exists", exc)
-            return dict.fromkeys(items, False)
-        self.breaker.success()
-        return {item: bool(n) for item, n in zip(items, found, strict=True)}
+            return {item: bool(n) for item, n in zip(items, pipe.execute(), strict=True)}
+
+        return self._guard.run("exists", exists, dict.fromkeys(items, False))
 
     def describe_many(
         self, keys: Iterable[str]
@@ -225,32 +257,28 @@ class RedisTier(Tier):
         no tensor bytes move. A missing, foreign or corrupt head is ``None``."""
         items = list(dict.fromkeys(keys))
         head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
-        out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(items)
-        if not items or not self._allow():
-            return out
-        try:
+        if not items or not self._guard.allow():
+            return dict.fromkeys(items)
+
+        def describe() -> dict[str, tuple[torch.dtype, tuple[int, ...]] | None]:
             pipe = self.client.pipeline(transaction=False)
             for head_key in head_keys:
                 pipe.getrange(head_key, 0, HEADER_SIZE + MAX_PRODUCER_BYTES - 1)
-            prefixes = pipe.execute()
-        except REDIS_ERRORS as exc:
-            self._failed("describe", exc)
+            out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(items)
+            for item, prefix in zip(items, pipe.execute(), strict=True):
+                with contextlib.suppress(BlobError):  # a reader meets it, counts, cleans up
+                    if prefix:
+                        header = read_header(prefix, max_blob_bytes=self.options.max_blob_bytes)
+                        out[item] = (header.dtype.torch_dtype, header.shape)
             return out
-        self.breaker.success()
-        for item, prefix in zip(items, prefixes, strict=True):
-            if not prefix:
-                continue
-            try:
-                header = read_header(prefix, max_blob_bytes=self.options.max_blob_bytes)
-            except BlobError:
-                continue  # a reader will meet it, count it and clean it up
-            out[item] = (header.dtype.torch_dtype, header.shape)
-        return out
+
+        return self._guard.run("describe", describe, dict.fromkeys(items))
 
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Encode and store a host tensor; False (and a counter) on any failure."""
+        write_id = new_write_id()
         try:
             parts = encode_parts(
                 tensor,
@@ -261,106 +289,68 @@ class RedisTier(Tier):
                 part_bytes=part_size(self.options.chunk_bytes),
                 max_blob_bytes=self.options.max_blob_bytes,
                 model=self.options.model,
+                write_id=write_id,
             )
         except ValueError as exc:
             self.counters.inc("write_rejected")
             self._log.warning("encode", "ec_redis: not storing %r: %s", key, exc)
             return False
         head_key = self.keys.head(key)  # a bad id raises before taking a half-open probe
-        if not self._allow():
+        if not self._guard.allow():
             self.counters.inc("write_skipped_breaker_open")
             return False
         started = time.perf_counter()
-        chunk_keys = [self.keys.chunk(head_key, i) for i in range(1, len(parts))]
-        try:
-            if chunk_keys:
-                pipe = self.client.pipeline(transaction=False)
-                for chunk_key, part in zip(chunk_keys, parts[1:], strict=True):
-                    pipe.set(chunk_key, part, px=self._ttl_ms)
-                refused = [
-                    r for r in pipe.execute(raise_on_error=False) if isinstance(r, Exception)
-                ]
-                if refused:  # e.g. OOM for one chunk: store no head, drop what did land
-                    with contextlib.suppress(*REDIS_ERRORS):
-                        self.client.unlink(*chunk_keys)
-                    raise refused[0]
-            # The head only after every chunk is stored: the entry becomes visible whole.
-            self.client.set(head_key, parts[0], px=self._ttl_ms)
-        except REDIS_ERRORS as exc:
-            self._failed("write", exc)
-            self.counters.inc("write_errors")
-            return False
-        self.breaker.success()
-        self.counters.inc("writes")
-        self.counters.inc("bytes_written", sum(len(p) for p in parts))
-        self.counters.inc("write_us", int((time.perf_counter() - started) * 1e6))
-        return True
+        stored = self._guard.run("write", lambda: self._write(head_key, parts, write_id), False)
+        if stored:
+            self.counters.inc("writes")
+            self.counters.inc("bytes_written", sum(len(p) for p in parts))
+            self.counters.inc("write_us", int((time.perf_counter() - started) * 1e6))
+        return stored
+
+    def _write(self, head_key: str, parts: Sequence[Any], write_id: int) -> bool:
+        outcome = entry_ops.write_entry(
+            self.client, head_key, parts, write_id, self._ttl_ms, self._grace_ms
+        )
+        if outcome != entry_ops.STORED:
+            self.counters.inc(f"write_{outcome}")  # write_conflict, write_incomplete
+        return outcome == entry_ops.STORED
 
     def delete(self, key: str) -> None:
+        """Delete the entry's head and the chunks it names, atomically."""
         head_key = self.keys.head(key)
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.getrange(head_key, 0, HEADER_SIZE + MAX_PRODUCER_BYTES - 1)
-            pipe.strlen(head_key)
-            prefix, head_len = pipe.execute()
-            header = None
-            if prefix:
-                try:
-                    header = read_header(prefix, max_blob_bytes=self.options.max_blob_bytes)
-                except BlobError:
-                    header = None
-            self._unlink(head_key, header, head_len)
-        except REDIS_ERRORS as exc:
-            self._failed("delete", exc)
+        if not self._guard.allow():
+            self.counters.inc("delete_skipped_breaker_open")
+            return
+        self._guard.run("delete", lambda: self._delete(head_key), None)
+
+    def _delete(self, head_key: str) -> None:
+        if not entry_ops.delete_entry(self.client, head_key):
+            self.counters.inc("delete_conflicts")
 
     # -- failure handling ----------------------------------------------------------------
 
+    def _partial(self, entry: _Found) -> None:
+        # Part of the entry was evicted: a miss, and clean up (if nobody replaced it since).
+        self.counters.inc("partial_entries")
+        self._discard(entry.head_key, entry.head, entry.chunk_keys)
+
     def _reject(
-        self, item: str, head_key: str, header: BlobHeader | None, head_len: int, exc: Exception
+        self, item: str, head_key: str, head: bytes, chunks: list[str], exc: Exception
     ) -> None:
         self.counters.inc("bad_blobs")
         self._log.warning(
             "blob", "ec_redis: rejected blob for item %r (%s); deleting it", item, exc
         )
-        self._unlink(head_key, header, head_len)
+        self._discard(head_key, head, chunks)
 
-    def _unlink(self, head_key: str, header: BlobHeader | None, head_len: int) -> None:
-        """UNLINK, not DEL: freeing a 100 MB value must not block Redis."""
-        keys = [head_key]
-        if header is not None and head_len < header.total_len:
-            # a head declaring parts below the floor (forged) is never read: delete just it
-            n = chunk_count(header, head_len) if header.part_bytes >= MIN_PART_BYTES else 0
-            keys += [self.keys.chunk(head_key, i) for i in range(1, n + 1)]
+    def _discard(self, head_key: str, head: bytes, chunks: list[str]) -> None:
+        """Compare-and-delete what a reader read: the head and its chunks go only while the
+        head is still the one read, never a version written since."""
         try:
-            self.client.unlink(*keys)
+            if not entry_ops.discard(self.client, head_key, head, chunks):
+                self.counters.inc("discards_skipped_newer")
         except REDIS_ERRORS as exc:
-            self._failed("unlink", exc)
-
-    def _allow(self) -> bool:
-        if self.breaker.allow():
-            return True
-        self.counters.inc("skipped_breaker_open")
-        return False
-
-    def _failed(self, op: str, exc: BaseException) -> None:
-        """Count a failed call. A reply from a healthy server (an OOM or ACL refusal) is not
-        an outage: only connection errors and timeouts count towards the circuit breaker."""
-        self.counters.inc("errors")
-        if isinstance(exc, redis.ResponseError):
-            # redis-py parses the error code into the class and strips it from the text
-            # (and pipelines prefix the text with the failed command): test the class first.
-            text = str(exc)
-            oom = isinstance(exc, OutOfMemoryError) or text.startswith("OOM")
-            noperm = isinstance(exc, NoPermissionError) or "NOPERM" in text
-            kind = "oom" if oom else "noperm" if noperm else "reply"
-            self.counters.inc(f"{kind}_errors")
-            self.breaker.success()
-        else:
-            self.breaker.failure()
-        self._log.warning(
-            "redis-" + op, "ec_redis: Redis %s failed (%s: %s); treating as a miss",
-            op, type(exc).__name__, exc,
-        )  # fmt: skip
+            self._guard.count("unlink", exc)  # the enclosing call settles the breaker
 
     def stats(self) -> dict[str, float]:
         out = self.counters.snapshot()
@@ -370,19 +360,3 @@ class RedisTier(Tier):
     def close(self) -> None:
         with contextlib.suppress(*REDIS_ERRORS):
             self.client.close()
-
-
-def part_size(chunk_bytes: int) -> int:
-    """The size of the data parts for a ``chunk_bytes`` setting (see ``ALLOCATOR_SLACK``)."""
-    return chunk_bytes - ALLOCATOR_SLACK if chunk_bytes > 2 * ALLOCATOR_SLACK else chunk_bytes
-
-
-def chunk_count(header: BlobHeader, head_len: int) -> int:
-    """How many chunk keys follow a head of ``head_len`` bytes (``BlobError`` when the header
-    cannot describe such an entry, e.g. a forged tiny part size)."""
-    if header.part_bytes < MIN_PART_BYTES:
-        raise BlobError(f"blob is longer than its head but declares parts of {header.part_bytes}")
-    rest = header.total_len - head_len
-    if rest <= 0:
-        raise BlobError("head is longer than the blob it declares")
-    return -(-rest // header.part_bytes)

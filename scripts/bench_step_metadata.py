@@ -1,4 +1,5 @@
-"""Step-metadata benchmark: what shipping one step's EC metadata to two tensor-parallel ranks
+"""Step-metadata benchmark (a script, not part of the package: it pickles to measure): what
+shipping one step's EC metadata to two tensor-parallel ranks
 costs through vLLM's own multiprocess broadcast queue (``MessageQueue``), with the staged
 bytes inline in the metadata (as before) or as tmpfs files the ranks read (``transport.py``).
 
@@ -6,13 +7,17 @@ Per step it measures the pickled metadata size and the time from the scheduler e
 step until both ranks hold the item in memory of their own (the worker's load: a clone of
 the unpickled tensor, or a read of the staged file). Staging a file happens on a lookup
 thread before the step and is reported separately.
+
+Usage: ``.venv/bin/python scripts/bench_step_metadata.py [--steps 20]`` (needs vLLM).
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import pickle
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -112,6 +117,13 @@ def _measure(
     )
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="steps per item and transport")
+    args = parser.parse_args()
+    print(render(run(args.steps, lambda line: print(line, file=sys.stderr))))
+
+
 def render(rows: list[MetaRow]) -> str:
     lines = [
         "| staged item | transport | metadata bytes / step | step p50 ms | step max ms "
@@ -124,3 +136,7 @@ def render(rows: list[MetaRow]) -> str:
             f"| {row.step_max_ms:.2f} | {row.stage_ms:.1f} |"
         )
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

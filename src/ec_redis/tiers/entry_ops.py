@@ -1,0 +1,111 @@
+"""Writing and deleting one versioned entry: keys under a grace TTL, then compare-and-swap.
+
+A write stores its chunks and its head value under new keys named by its write id, with the
+grace TTL, and in the same round trip runs the swap script, which renames the pending head
+onto the head key in one step if the head is the one the writer expects (at first: any head
+without chunks); else it returns the current head and the write tries again against it,
+retiring that head's chunks. Deletes compare the
+same way, so nobody ever deletes a version written after the one they looked at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from ec_redis.codec.format import HEADER_SIZE
+from ec_redis.keys import KeyBuilder
+from ec_redis.tiers.layout import PROBE_BYTES, named_chunks, replaced
+from ec_redis.tiers.scripts import CONFLICT as CONFLICT_REPLY
+from ec_redis.tiers.scripts import DELETE, DELETED, INCOMPLETE, SWAP, SWAPPED, is_noscript
+
+ATTEMPTS = 4  # compare-and-swap rounds while other writers keep switching the entry
+STORED, CONFLICT, INCOMPLETE_WRITE = "stored", "conflict", "incomplete"
+
+
+def write_entry(
+    client: Any,
+    head_key: str,
+    parts: Sequence[Any],
+    write_id: int,
+    ttl_ms: int | None,
+    grace_ms: int,
+) -> str:
+    """Store ``parts`` (head first) as the entry's new current version: ``STORED``;
+    ``INCOMPLETE_WRITE`` when a key of the write vanished before the switch (evicted, or older
+    than the grace); ``CONFLICT`` when other writers switched the entry ``ATTEMPTS`` times in a
+    row. Redis errors raise; whatever the outcome, no key this call wrote outlives the grace
+    TTL unless the head names it."""
+    pending = KeyBuilder.pending(head_key, write_id)
+    new_chunks = KeyBuilder.chunks(head_key, write_id, len(parts) - 1)
+    written = [pending, *new_chunks]
+    # One round trip: the write's keys, then the swap, assuming no chunked entry is there
+    # (true for a new item or a one-value one). When one is, the script answers with its head
+    # and the next round retires that head's chunks.
+    expected: bytes = b""
+    retired: list[str] = []
+    args = [expected, len(new_chunks), ttl_ms or 0, grace_ms]
+    pipe = client.pipeline(transaction=False)
+    for key, part in zip(new_chunks, parts[1:], strict=True):
+        pipe.set(key, part, px=grace_ms)
+    pipe.set(pending, parts[0], px=grace_ms)
+    pipe.execute_command(*SWAP.command([head_key, *written], args))
+    *stored, reply = pipe.execute(raise_on_error=False)
+    try:
+        refused = [r for r in stored if isinstance(r, Exception)]
+        if refused:  # e.g. OOM: the script found a key missing and switched nothing
+            raise refused[0]
+        if is_noscript(reply):  # the server does not know the script yet
+            reply = SWAP.eval(client, [head_key, *written], args)
+        elif isinstance(reply, Exception):
+            raise reply
+        attempts = 1
+        while int(reply[0]) == CONFLICT_REPLY and attempts < ATTEMPTS:
+            # a chunked version is current (or another writer switched the entry since we
+            # looked): retire that version's chunks instead
+            expected, retired = replaced(head_key, reply[1], int(reply[2]))
+            retired = [k for k in retired if k not in new_chunks]
+            args = [expected, len(new_chunks), ttl_ms or 0, grace_ms]
+            reply = SWAP.run(client, [head_key, *written, *retired], args)
+            attempts += 1
+        if int(reply[0]) == SWAPPED:
+            return STORED
+    except BaseException:
+        drop(client, written)
+        raise
+    drop(client, written)  # never named by the head: nobody can be reading them
+    return INCOMPLETE_WRITE if int(reply[0]) == INCOMPLETE else CONFLICT
+
+
+def delete_entry(client: Any, head_key: str) -> bool:
+    """Delete the entry's head and the chunks it names in one step; False when it was
+    rewritten ``ATTEMPTS`` times while we tried (the newest version then stays)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.getrange(head_key, 0, PROBE_BYTES - 1)
+    pipe.strlen(head_key)
+    prefix, head_len = pipe.execute()
+    for _ in range(ATTEMPTS):
+        keys = [head_key, *named_chunks(head_key, prefix, head_len)]
+        reply = DELETE.run(client, keys, [prefix[:HEADER_SIZE]])
+        if int(reply[0]) == DELETED:
+            return True
+        prefix, head_len = reply[1], int(reply[2])  # rewritten meanwhile: delete that one
+    return False
+
+
+def discard(client: Any, head_key: str, head: bytes, chunks: list[str]) -> bool:
+    """Compare-and-delete what a reader read: the head and ``chunks`` go only while the head
+    is still ``head``; False (nothing deleted) when a newer version is there."""
+    reply = DELETE.run(client, [head_key, *chunks], [head[:HEADER_SIZE]])
+    return int(reply[0]) == DELETED
+
+
+def drop(client: Any, chunk_keys: list[str]) -> None:
+    """UNLINK a write's chunks that no head will name (their grace TTL is the backstop).
+    UNLINK, not DEL: freeing megabytes must not block Redis."""
+    if chunk_keys:
+        with contextlib.suppress(redis.RedisError, OSError):
+            client.unlink(*chunk_keys)

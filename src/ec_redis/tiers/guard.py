@@ -1,0 +1,83 @@
+"""Faults of Redis calls -> counters, log lines and circuit-breaker verdicts.
+
+``Guard.run`` wraps every call the breaker admitted: whatever happens inside, success or any
+exception, the breaker hears about it, so a half-open probe is always answered. A reply from a
+healthy server (an OOM or ACL refusal) is not an outage; everything else that fails is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+from redis.exceptions import NoPermissionError, OutOfMemoryError
+
+from ec_redis.breaker import CircuitBreaker
+from ec_redis.logutil import RateLimitedLog
+from ec_redis.stats import Counters
+
+REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+T = TypeVar("T")
+
+
+class Guard:
+    def __init__(self, breaker: CircuitBreaker, counters: Counters, log: RateLimitedLog) -> None:
+        self.breaker = breaker
+        self.counters = counters
+        self.log = log
+
+    def allow(self) -> bool:
+        if self.breaker.allow():
+            return True
+        self.counters.inc("skipped_breaker_open")
+        return False
+
+    def run(self, op: str, call: Callable[[], T], fallback: T) -> T:
+        """``call()``, or ``fallback`` when it raised; the breaker settles either way.
+        Redis faults, redis-py's cluster errors, a ``TypeError`` from an old redis-py, a
+        ``MemoryError`` from an allocation, and our own bugs alike: nothing raises out."""
+        try:
+            result = call()
+        except REDIS_ERRORS as exc:
+            if self.count(op, exc):
+                self.breaker.success()
+            else:
+                self.breaker.failure()
+            return fallback
+        except Exception as exc:
+            self.counters.inc("internal_errors")
+            if op == "write":
+                self.counters.inc("write_errors")
+            self.breaker.failure()
+            self.log.warning(
+                "internal-" + op, "ec_redis: unexpected error in a Redis %s (%s: %s); "
+                "treating it as a miss", op, type(exc).__name__, exc,
+            )  # fmt: skip
+            return fallback
+        except BaseException:
+            self.breaker.failure()  # e.g. KeyboardInterrupt: answer the probe, then go on
+            raise
+        self.breaker.success()
+        return result
+
+    def count(self, op: str, exc: BaseException) -> bool:
+        """Count a failed Redis call; True when it was a reply from a healthy server (an OOM
+        or ACL refusal), which is not an outage and so not a breaker failure."""
+        self.counters.inc("errors")
+        if op == "write":
+            self.counters.inc("write_errors")
+        healthy = isinstance(exc, redis.ResponseError)
+        if healthy:
+            # redis-py parses the error code into the class and strips it from the text
+            # (and pipelines prefix the text with the failed command): test the class first.
+            text = str(exc)
+            oom = isinstance(exc, OutOfMemoryError) or text.startswith("OOM")
+            noperm = isinstance(exc, NoPermissionError) or "NOPERM" in text
+            kind = "oom" if oom else "noperm" if noperm else "reply"
+            self.counters.inc(f"{kind}_errors")
+        self.log.warning(
+            "redis-" + op, "ec_redis: Redis %s failed (%s: %s); treating as a miss",
+            op, type(exc).__name__, exc,
+        )  # fmt: skip
+        return healthy

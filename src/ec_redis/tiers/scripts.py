@@ -1,0 +1,126 @@
+"""The Lua scripts that switch, renew and delete one entry's versions atomically.
+
+Each script touches one entry: its head and chunk keys, which share a hash tag and so one
+Redis Cluster slot. Every key is passed in ``KEYS`` (none is built inside Lua), so Cluster
+routes a script like any single-slot command and key-pattern ACLs apply as usual. Heads are
+identified by their first ``HEADER_SIZE`` bytes, which carry the write's random id: "the head
+is still the one I saw" is a byte comparison. Plain Lua 5.1 with no ``#!`` flags: Redis
+>= 6.2, Valkey, and fakeredis with ``lupa``. No script allocates: values are written by plain
+pipelined ``SET``s before, so a full Redis refuses those, never half a script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from ec_redis.codec.format import HEADER_SIZE, PART_BYTES_AT
+from ec_redis.tiers.layout import MAGIC_VERSION, PROBE_BYTES
+
+# swap replies: [SWAPPED] | [CONFLICT, head prefix, head length] | [INCOMPLETE, index]
+# (index 0: the pending head, i: chunk i)
+SWAPPED, CONFLICT, INCOMPLETE = 1, 0, 2
+# delete replies: [DELETED, keys removed] | [CONFLICT, head prefix, head length]
+DELETED = 1
+
+
+def _lua_bytes(data: bytes) -> str:
+    return '"' + "".join(f"\\{b}" for b in data) + '"'
+
+
+_PRELUDE = f"""
+local seen = redis.call('GETRANGE', KEYS[1], 0, {HEADER_SIZE - 1})
+local function changed()
+  return {{{CONFLICT}, redis.call('GETRANGE', KEYS[1], 0, {PROBE_BYTES - 1}),
+          redis.call('STRLEN', KEYS[1])}}
+end
+"""
+
+# Make a complete write the entry's current version. KEYS: head, the write's pending head,
+# its n chunks, then the chunks of the version it replaces. ARGV: the head's first bytes as
+# the writer saw them ("": any head without chunks), n, the entry's TTL in ms (0: none), the
+# grace in ms. The new head value arrives by RENAME, not as an argument: a megabyte ARGV costs
+# Redis milliseconds of Lua string handling, a RENAME nothing. The replaced chunks get the
+# grace TTL, not an UNLINK: a reader may be fetching them right now.
+_SWAP = (
+    _PRELUDE
+    + f"""
+local chunked = string.sub(seen, 1, 6) == {_lua_bytes(MAGIC_VERSION)}
+  and #seen >= {PART_BYTES_AT + 8}
+  and string.sub(seen, {PART_BYTES_AT + 1}, {PART_BYTES_AT + 8}) ~= {_lua_bytes(bytes(8))}
+if (ARGV[1] == '' and chunked) or (ARGV[1] ~= '' and seen ~= ARGV[1]) then return changed() end
+local n = tonumber(ARGV[2])
+for i = 2, n + 2 do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return {{{INCOMPLETE}, i - 2}} end
+end
+redis.call('RENAME', KEYS[2], KEYS[1])
+local ttl = tonumber(ARGV[3])
+for i = 1, n + 2 do
+  if i ~= 2 then
+    if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
+  end
+end
+for i = n + 3, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+return {{{SWAPPED}}}
+"""
+)
+
+# Slide the TTL of the chunks a reader just read, only while their version is current (so a
+# reader never extends the life of a replaced version). KEYS: head, chunks. ARGV: the head's
+# first bytes as read, the TTL in ms.
+_RENEW = f"""
+if redis.call('GETRANGE', KEYS[1], 0, {HEADER_SIZE - 1}) ~= ARGV[1] then return 0 end
+for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+return 1
+"""
+
+# Compare-and-delete: UNLINK the head and the chunks read only if the head is still the one
+# read; a newer version is never touched. KEYS: head, chunks. ARGV: the head's first bytes.
+_DELETE = (
+    _PRELUDE
+    + f"""
+if seen ~= ARGV[1] then return changed() end
+local removed = 0
+for i = 1, #KEYS do removed = removed + redis.call('UNLINK', KEYS[i]) end
+return {{{DELETED}, removed}}
+"""
+)
+
+
+class Script:
+    """A Lua script run by its SHA1 (``EVALSHA``), falling back to ``EVAL`` when the server
+    does not know it yet (``NOSCRIPT``: first use, a restart, ``SCRIPT FLUSH``)."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def command(self, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+        """The ``EVALSHA`` command, for a pipeline or a raw connection."""
+        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def run(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.execute_command(*self.command(keys, args))
+        except NoScriptError:
+            return self.eval(client, keys, args)
+
+    def eval(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run it sending its text (the server caches it for the next ``EVALSHA``)."""
+        return client.execute_command("EVAL", self.text, len(keys), *keys, *args)
+
+
+SWAP = Script("swap", _SWAP)
+RENEW = Script("renew", _RENEW)
+DELETE = Script("delete", _DELETE)
+
+
+def is_noscript(reply: object) -> bool:
+    """Whether a pipelined reply is the server's "I do not know this script"."""
+    return isinstance(reply, NoScriptError) or (
+        isinstance(reply, Exception) and str(reply).startswith("NOSCRIPT")
+    )
