@@ -308,6 +308,8 @@ READ = ("+get", "+getex", "+exists", "+getrange", "+strlen")
 # entries are switched, renewed and deleted by Lua scripts (their commands are checked too)
 WRITE = ("+set", "+unlink", "+rename", "+pexpire", "+persist", "+evalsha", "+eval")
 CONNECT = ("+ping", "+hello", "+auth", "+client|setname", "+client|setinfo")
+# writers announce stored entries, waiting readers subscribe (channels under the namespace)
+PUBSUB = ("+publish", "+subscribe", "+unsubscribe")
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +319,7 @@ def acl_server(server_flavor: Flavor) -> Iterator[EmbeddedRedis]:
     server = EmbeddedRedis.start(server_flavor)
     admin = redis.Redis.from_url(server.url)
     try:
-        _set_user(admin, "cache", "cache-pw", CONNECT + READ + WRITE)
+        _set_user(admin, "cache", "cache-pw", CONNECT + READ + WRITE + PUBSUB)
         _set_user(admin, "reader", "reader-pw", CONNECT + READ)
         _set_user(admin, "nosetname", "nosetname-pw", tuple(c for c in CONNECT if "name" not in c))
         _set_user(admin, "noping", "noping-pw", tuple(c for c in CONNECT if c != "+ping") + READ)
@@ -328,7 +330,8 @@ def acl_server(server_flavor: Flavor) -> Iterator[EmbeddedRedis]:
 
 
 def _set_user(admin: redis.Redis, name: str, password: str, commands: tuple[str, ...]) -> None:
-    rules = ["on", f">{password}", "resetkeys", f"~{NAMESPACE}:*", "nocommands"]
+    rules = ["on", f">{password}", "resetkeys", f"~{NAMESPACE}:*", "resetchannels"]
+    rules += [f"&{NAMESPACE}:*", "nocommands"]
     try:
         admin.execute_command("ACL", "SETUSER", name, "reset", *rules, *commands)  # type: ignore[no-untyped-call]
     except redis.ResponseError:
@@ -369,6 +372,27 @@ def test_a_user_limited_to_the_cache_prefix_works_end_to_end(acl_server: Embedde
         assert 0 < admin.pttl(small_head) <= 600_000
     finally:
         admin.close()
+
+
+def test_the_cache_users_rights_cover_announcing_and_hearing_stored_entries(
+    acl_server: EmbeddedRedis,
+) -> None:
+    """The README's ACL rules include the namespace's pub/sub channels: a writer's
+    announcement reaches a subscribed reader (push, not poll)."""
+    url = user_url(acl_server, "cache", "cache-pw")
+    heard: list[str] = []
+    with TieredCache.from_config(config(redis_url=url, cpu_cache_bytes=0)) as reader:
+        subscription = reader.subscribe(heard.append)
+        assert subscription is not None and subscription.connected.wait(10)
+        with TieredCache.from_config(config(redis_url=url, producer_id="w")) as writer:
+            writer.put("announced", embedding(rows=4, width=WIDTH, seed=9))
+            assert writer.flush(15)
+            assert writer.stats().get("announce_errors", 0) == 0
+        deadline = time.monotonic() + 10
+        while "announced" not in heard and time.monotonic() < deadline:
+            time.sleep(0.01)
+        subscription.close()
+    assert heard == ["announced"]
 
 
 def test_a_wrong_password_stops_start_up_with_a_clear_message(acl_server: EmbeddedRedis) -> None:
