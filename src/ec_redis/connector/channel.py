@@ -8,9 +8,11 @@ observations in a small file on the host's tmpfs, and the scheduler half of the 
 exactly once, with the worker in the scheduler's process or not, under V1 and V2. The worker
 half's own ``get_ec_connector_stats`` therefore reports nothing.
 
-The file is replaced atomically (write, then rename); a publisher thread refreshes it at most
-every ``interval_s`` while something changed, so counters that move after the last step (a
-Redis write draining) still arrive.
+The file is replaced atomically (write, then rename) at the end of every step in which the
+worker half did something, so the scheduler half reads it in that step's output; a publisher
+thread also refreshes it every ``interval_s`` while something changed, so counters that move
+after the last step (a Redis write draining) still arrive (a producer keeps stepping until the
+queue depth it read says 0). The reader re-reads a file only when it changed.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 CHANNEL_PREFIX = "ec_redis-stats-"
-MAX_OBSERVATIONS = 1024  # per publisher; older ones are dropped if nobody reads in time
+MAX_OBSERVATIONS = 256  # per publisher; older ones are dropped if nobody reads in time
+GLOB_EVERY_S = 1.0  # how often the reader looks for new publishers
 
 
 def channel_key(engine_id: str, dp_rank: int) -> str:
@@ -68,21 +72,23 @@ class Publisher:
         self._snapshot = snapshot
         self._interval_s = interval_s
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the step's publish and the thread's
         self._last = ""
         self._thread = threading.Thread(target=self._run, name="ec_redis-stats", daemon=True)
         self._thread.start()
 
     def publish(self) -> None:
-        text = json.dumps(self._snapshot(), separators=(",", ":"))
-        if text == self._last:
-            return
-        temporary = self.path.with_suffix(".tmp")
-        try:
-            temporary.write_text(text)
-            os.replace(temporary, self.path)
-            self._last = text
-        except OSError:
-            pass  # metrics are best effort; the next round tries again
+        with self._lock:
+            text = json.dumps(self._snapshot(), separators=(",", ":"))
+            if text == self._last:
+                return
+            temporary = self.path.with_suffix(".tmp")
+            try:
+                temporary.write_text(text)
+                os.replace(temporary, self.path)
+                self._last = text
+            except OSError:
+                pass  # metrics are best effort; the next round tries again
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -100,23 +106,41 @@ class Reader:
     """The scheduler half's side: increments of every publisher of this engine since the
     last read (counters as differences, observations not seen before)."""
 
-    def __init__(self, directory: str, key: str) -> None:
+    def __init__(
+        self, directory: str, key: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._dir = Path(directory)
         self._pattern = f"{CHANNEL_PREFIX}{key}-*.json"
+        self._clock = clock
         remove_orphans(self._dir)
         self._counters: dict[str, dict[str, float]] = {}  # per file: last cumulative values
         self._seen: dict[str, int] = {}  # per file: last observation number reported
+        self._versions: dict[Path, tuple[int, int]] = {}  # per file: (mtime_ns, size) read
+        self._paths: list[Path] = []
+        self._next_glob = 0.0
+
+    def _publishers(self) -> list[Path]:
+        now = self._clock()
+        if now >= self._next_glob:
+            self._next_glob = now + GLOB_EVERY_S
+            self._paths = sorted(self._dir.glob(self._pattern))
+        return self._paths
 
     def take(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
         """``(counter increments, gauges, new observations)``."""
         increments: dict[str, float] = {}
         gauges: dict[str, float] = {}
         observed: dict[str, list[float]] = {}
-        for path in sorted(self._dir.glob(self._pattern)):
+        for path in self._publishers():
             try:
+                stat = path.stat()
+                version = (stat.st_mtime_ns, stat.st_size)
+                if self._versions.get(path) == version:
+                    continue  # unchanged since the last read
                 data = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue  # replaced under us, or gone: the next read sees it
+            self._versions[path] = version
             name = path.name
             last = self._counters.setdefault(name, {})
             for counter, value in data.get("counters", {}).items():

@@ -111,6 +111,9 @@ class ECRedisConnector(ECConnectorBase):
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
+        if self._publisher is not None and self._worker.changed:
+            self._worker.changed = False
+            self._publisher.publish()  # before this step's output reaches the scheduler
         return self._worker.worker_meta(self._connector_metadata)
 
     # -- scheduler side ---------------------------------------------------------------------

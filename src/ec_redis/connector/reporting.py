@@ -4,16 +4,12 @@ cache), read from the stats channel. Each increment is reported once."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 from ec_redis.cache import TieredCache
 from ec_redis.connector.channel import Reader
 from ec_redis.connector.scheduler import SchedulerSide
 from ec_redis.connector.stats import MAX_OBSERVATIONS, Deltas, read_counters
-
-READ_INTERVAL_S = 0.1  # the channel is read at most this often (vLLM asks every step)
 
 
 class Reporter:
@@ -22,14 +18,11 @@ class Reporter:
         scheduler: SchedulerSide,
         cache: TieredCache,
         reader: Reader,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._scheduler = scheduler
         self._cache = cache
         self._reader = reader
-        self._clock = clock
         self._deltas = Deltas()
-        self._next_read = 0.0
         self._worker_totals: dict[str, float] = {}  # cumulative, for stats_snapshot
         self._worker_gauges: dict[str, float] = {}
         scheduler.worker_gauges = self._worker_gauges  # has_pending_push_work reads them
@@ -50,11 +43,7 @@ class Reporter:
         return out
 
     def _read_channel(self) -> tuple[dict[str, float], dict[str, list[float]]]:
-        now = self._clock()
-        if now < self._next_read:
-            return {}, {}
-        self._next_read = now + READ_INTERVAL_S
-        increments, gauges, observed = self._reader.take()
+        increments, gauges, observed = self._reader.take()  # cheap when nothing changed
         self._worker_gauges.update(gauges)
         for name, change in increments.items():
             self._worker_totals[name] = self._worker_totals.get(name, 0) + change

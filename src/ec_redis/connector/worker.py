@@ -68,6 +68,7 @@ class WorkerSide:
         self._published = _RecentSet()
         self.counters = Counters()
         self._observations = Observations()
+        self.changed = False  # since the last publish on the stats channel
         self._log = RateLimitedLog()
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Any) -> None:
@@ -113,6 +114,7 @@ class WorkerSide:
             stored = False
         if not stored:
             self.counters.inc("save_errors")
+            self.changed = True
             return
         self._published.add(mm_hash)
         nbytes = tensor_nbytes(tensor)
@@ -139,6 +141,7 @@ class WorkerSide:
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.add(name, value)
+        self.changed = True
 
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counters (for tests and tools)."""
