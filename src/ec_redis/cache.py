@@ -291,10 +291,7 @@ class TieredCache:
 
     def _write_to_redis(self, key: str, host: HostCopy) -> bool:
         assert self.redis is not None
-        stored = self.redis.put(key, host.tensor)
-        if stored and self.config.announce_writes:
-            notify.announce(self.redis.client, self.redis.keys.channel(), key, self.counters)
-        return stored
+        return self.redis.put(key, host.tensor)  # announced by the switch itself
 
     def subscribe(self, on_item: Callable[[str], object]) -> notify.Subscription | None:
         """Call ``on_item(item)`` for every entry any writer announces from now on (on a
@@ -401,4 +398,5 @@ def _tier_options(config: CacheConfig, identity: ModelIdentity) -> RedisTierOpti
         byte_shuffle=config.byte_shuffle,
         producer_id=config.producer_id or f"{socket.gethostname()}:{os.getpid()}",
         model=identity.label(),
+        announce=config.announce_writes,
     )

@@ -33,12 +33,14 @@ def write_entry(
     write_id: int,
     ttl_ms: int | None,
     grace_ms: int,
+    announce: tuple[str, bytes] = ("", b""),
 ) -> str:
     """Store ``parts`` (head first) as the entry's new current version: ``STORED``;
     ``INCOMPLETE_WRITE`` when a key of the write vanished before the switch (evicted, or older
     than the grace); ``CONFLICT`` when other writers switched the entry ``ATTEMPTS`` times in a
     row. Redis errors raise; whatever the outcome, no key this call wrote outlives the grace
-    TTL unless the head names it."""
+    TTL unless the head names it. ``announce`` = (channel, message): PUBLISHed by the switch
+    itself, so a subscriber hears of the entry the moment its head is current."""
     pending = KeyBuilder.pending(head_key, write_id)
     new_chunks = KeyBuilder.chunks(head_key, write_id, len(parts) - 1)
     written = [pending, *new_chunks]
@@ -47,7 +49,7 @@ def write_entry(
     # and the next round retires that head's chunks.
     expected: bytes = b""
     retired: list[str] = []
-    args = [expected, len(new_chunks), ttl_ms or 0, grace_ms]
+    args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce]
     pipe = client.pipeline(transaction=False)
     for key, part in zip(new_chunks, parts[1:], strict=True):
         pipe.set(key, part, px=grace_ms)
@@ -68,7 +70,7 @@ def write_entry(
             # looked): retire that version's chunks instead
             expected, retired = replaced(head_key, reply[1], int(reply[2]))
             retired = [k for k in retired if k not in new_chunks]
-            args = [expected, len(new_chunks), ttl_ms or 0, grace_ms]
+            args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce]
             reply = SWAP.run(client, [head_key, *written, *retired], args)
             attempts += 1
         if int(reply[0]) == SWAPPED:

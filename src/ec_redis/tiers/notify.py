@@ -1,6 +1,7 @@
-"""Push, not poll: a writer announces every entry it stored on its model's Redis pub/sub
-channel; a waiting reader's subscriber thread hands each announced item id to a callback
-the moment the entry's head has landed. Polling stays the fallback: a lost message (a
+"""Push, not poll: a writer announces every entry it stores on its model's Redis pub/sub
+channel (the swap script PUBLISHes in the same atomic step that makes the entry current,
+``tiers/scripts.py``); a waiting reader's subscriber thread hands each announced item id to a
+callback. Polling stays the fallback: a lost message (a
 reconnect, a Cluster node change) costs one recheck interval, never an item.
 
 Plain PUBLISH/SUBSCRIBE works on one server, Sentinel, Valkey and Redis Cluster (where a
@@ -73,15 +74,6 @@ class Subscription:
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-
-
-def announce(client: Any, channel: str, item: str, counters: Counters) -> None:
-    """Tell subscribers ``item`` is stored (best effort: a miss costs one recheck)."""
-    try:
-        client.publish(channel, item.encode("utf-8", "surrogatepass"))
-        counters.inc("announced")
-    except Exception:
-        counters.inc("announce_errors")
 
 
 def _close(pubsub: Any) -> None:

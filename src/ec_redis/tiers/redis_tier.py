@@ -49,6 +49,7 @@ class RedisTierOptions:
     byte_shuffle: bool = False
     producer_id: str = ""
     model: str = ""  # written into blob headers for operators' tools
+    announce: bool = True  # PUBLISH each stored entry's id on the model's channel
 
 
 @dataclass(frozen=True)
@@ -300,16 +301,25 @@ class RedisTier(Tier):
             self.counters.inc("write_skipped_breaker_open")
             return False
         started = time.perf_counter()
-        stored = self._guard.run("write", lambda: self._write(head_key, parts, write_id), False)
+        stored = self._guard.run(
+            "write", lambda: self._write(key, head_key, parts, write_id), False
+        )
         if stored:
             self.counters.inc("writes")
             self.counters.inc("bytes_written", sum(len(p) for p in parts))
             self.counters.inc("write_us", int((time.perf_counter() - started) * 1e6))
         return stored
 
-    def _write(self, head_key: str, parts: Sequence[Any], write_id: int) -> bool:
+    def _write(self, item: str, head_key: str, parts: Sequence[Any], write_id: int) -> bool:
+        announce = (self.keys.channel(), item.encode("utf-8", "surrogatepass"))
         outcome = entry_ops.write_entry(
-            self.client, head_key, parts, write_id, self._ttl_ms, self._grace_ms
+            self.client,
+            head_key,
+            parts,
+            write_id,
+            self._ttl_ms,
+            self._grace_ms,
+            announce if self.options.announce else ("", b""),
         )
         if outcome != entry_ops.STORED:
             self.counters.inc(f"write_{outcome}")  # write_conflict, write_incomplete

@@ -42,9 +42,11 @@ end
 # Make a complete write the entry's current version. KEYS: head, the write's pending head,
 # its n chunks, then the chunks of the version it replaces. ARGV: the head's first bytes as
 # the writer saw them ("": any head without chunks), n, the entry's TTL in ms (0: none), the
-# grace in ms. The new head value arrives by RENAME, not as an argument: a megabyte ARGV costs
-# Redis milliseconds of Lua string handling, a RENAME nothing. The replaced chunks get the
-# grace TTL, not an UNLINK: a reader may be fetching them right now.
+# grace in ms, the channel to announce the entry on ("": none) and the message. The new head
+# value arrives by RENAME, not as an argument: a megabyte ARGV costs Redis milliseconds of Lua
+# string handling, a RENAME nothing. The replaced chunks get the grace TTL, not an UNLINK: a
+# reader may be fetching them right now. The announcement goes out in the same atomic step
+# as the switch (last, and through pcall: a refused PUBLISH must not leave a half-done swap).
 _SWAP = (
     _PRELUDE
     + f"""
@@ -64,6 +66,7 @@ for i = 1, n + 2 do
   end
 end
 for i = n + 3, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+if ARGV[5] ~= '' then redis.pcall('PUBLISH', ARGV[5], ARGV[6]) end
 return {{{SWAPPED}}}
 """
 )
