@@ -332,3 +332,16 @@ def test_the_node_table_is_bounded_and_forgets_closed_breakers_first(clock: Fake
     assert len(breakers.addresses()) == 3 and "open" in breakers.addresses()
     assert breakers.get("open").state == OPEN
     assert breakers.stats()["breaker_trips"] == 1
+
+
+def test_breakers_of_nodes_that_serve_nothing_any_more_are_forgotten(clock: FakeClock) -> None:
+    """A master whose replica took over is called no more: its open breaker must not keep
+    ``breaker_state`` at "open" for ever."""
+    breakers = Breakers(lambda: CircuitBreaker(failures=1, clock=clock))
+    breakers.get("dead:7000").failure()
+    breakers.get("alive:7001")
+    assert breakers.stats()["breaker_state"] == OPEN
+    breakers.retain({"alive:7001", "promoted:7002"})
+    assert breakers.addresses() == ["alive:7001"]
+    assert breakers.stats()["breaker_state"] == CLOSED
+    assert breakers.stats()["breaker_trips"] == 1  # trips are history: they stay counted

@@ -279,6 +279,15 @@ def test_cluster_master_killed(cluster: EmbeddedCluster, caches: Caches) -> None
 
     for cache in (writer, reader, fresh):
         wait_for(lambda c=cache: all_served(c), "every entry again", 10)  # type: ignore[misc]
+
+    # the dead master serves no slot any more: its breaker is forgotten, the state is closed
+    def all_closed(cache: Guarded) -> bool:
+        return (
+            cache.redis_stat("breaker_nodes_not_closed") == 0 == cache.redis_stat("breaker_state")
+        )
+
+    assert writer.redis_stat("breaker_trips") >= 1  # the writer's breaker of it did open
+    wait_for(lambda: all_closed(writer), "the dead master's breaker to be forgotten", 10)
     assert heir in cluster.masters() and victim not in cluster.masters()
 
 

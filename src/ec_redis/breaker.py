@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 STATE_NAMES = {CLOSED: "closed", OPEN: "open", HALF_OPEN: "half_open"}
@@ -121,6 +121,13 @@ class Breakers:
             closed = (a for a, b in self._by_address.items() if b.state == CLOSED)
             victim = next(closed, next(iter(self._by_address)))
             self._forgotten_trips += self._by_address.pop(victim).trips
+
+    def retain(self, addresses: Collection[str]) -> None:
+        """Forget the breakers of nodes not in ``addresses`` (nodes that serve nothing any
+        more, e.g. a master whose replica took over): nothing will call them again."""
+        with self._lock:
+            for address in [a for a in self._by_address if a not in addresses]:
+                self._forgotten_trips += self._by_address.pop(address).trips
 
     def addresses(self) -> list[str]:
         with self._lock:

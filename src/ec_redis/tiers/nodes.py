@@ -58,6 +58,10 @@ class Nodes(Protocol):
         """A node did not answer (its slots may have moved)."""
         ...
 
+    def addresses(self) -> set[str] | None:
+        """The addresses calls may go to now (``None``: any; one server has one)."""
+        ...
+
 
 class OneNode:
     """Every key on one server: the client itself."""
@@ -75,6 +79,9 @@ class OneNode:
 
     def unreachable(self, address: str) -> None:
         pass
+
+    def addresses(self) -> set[str] | None:
+        return None
 
 
 class ClusterNodes:
@@ -116,6 +123,15 @@ class ClusterNodes:
 
     def unreachable(self, address: str) -> None:
         self.refresh()
+
+    def addresses(self) -> set[str] | None:
+        """The masters in the slot map (a master whose replica took over is not one), and
+        ``CLUSTER``; ``None`` before the client is built."""
+        client = self._cluster.built
+        if client is None:
+            return None
+        primaries = client.get_primaries()  # type: ignore[no-untyped-call]
+        return {CLUSTER, *(node.name for node in primaries)}
 
     def refresh(self) -> None:
         """Re-read the slot map on a background thread: one at a time, at most one per

@@ -275,6 +275,9 @@ class RedisTier(Tier):
         self._per_node("delete", [head_key], delete, skipped)
 
     def stats(self) -> dict[str, float]:
+        current = self._nodes.addresses()
+        if current is not None:  # a master whose replica took over is called no more:
+            self.breakers.retain(current)  # its open breaker must not stay in the state
         out = self.counters.snapshot()
         out.update(self.breakers.stats())
         return out
