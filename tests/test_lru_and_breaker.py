@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ec_redis.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from ec_redis.breaker import CLOSED, HALF_OPEN, OPEN, Breakers, CircuitBreaker
 from ec_redis.tiers.lru import ByteLRU
 
 # -- ByteLRU -------------------------------------------------------------------------------
@@ -294,3 +294,54 @@ def test_successful_probe_closes_and_resets(clock: FakeClock) -> None:
     assert not b.allow()
     clock.advance(0.01)
     assert b.allow()  # reopened with the base cooldown, not the doubled one
+
+
+# -- one breaker per node ------------------------------------------------------------------
+
+
+def test_each_node_has_its_own_breaker_made_fresh_with_the_same_settings(
+    clock: FakeClock,
+) -> None:
+    template = CircuitBreaker(failures=2, cooldown_s=5.0, max_cooldown_s=10.0, clock=clock)
+    breakers = Breakers(template.fresh)
+    breakers.set("cluster", template)
+    dead, healthy = breakers.get("10.0.0.1:7000"), breakers.get("10.0.0.2:7000")
+    assert breakers.get("10.0.0.1:7000") is dead and dead is not template
+    dead.failure()
+    dead.failure()
+    assert dead.state == OPEN and healthy.state == CLOSED and template.state == CLOSED
+    assert healthy.allow() and not dead.allow()
+    clock.now += 5.0  # the fresh breaker kept the template's cool-down and clock
+    assert dead.allow() and dead.state == HALF_OPEN
+    stats = breakers.stats()
+    assert stats["breaker_state"] == HALF_OPEN and stats["breaker_nodes_not_closed"] == 1
+    dead.failure()  # the probe failed: open again, for twice as long
+    assert breakers.stats() == {
+        "breaker_state": OPEN,
+        "breaker_trips": 2,
+        "breaker_cooldown_s": 10.0,
+        "breaker_nodes_not_closed": 1,
+    }
+
+
+def test_the_node_table_is_bounded_and_forgets_closed_breakers_first(clock: FakeClock) -> None:
+    breakers = Breakers(lambda: CircuitBreaker(failures=1, clock=clock), max_nodes=3)
+    breakers.get("open").failure()
+    for i in range(10):  # nodes come and go (replaced hosts, new ports)
+        breakers.get(f"node-{i}")
+    assert len(breakers.addresses()) == 3 and "open" in breakers.addresses()
+    assert breakers.get("open").state == OPEN
+    assert breakers.stats()["breaker_trips"] == 1
+
+
+def test_breakers_of_nodes_that_serve_nothing_any_more_are_forgotten(clock: FakeClock) -> None:
+    """A master whose replica took over is called no more: its open breaker must not keep
+    ``breaker_state`` at "open" for ever."""
+    breakers = Breakers(lambda: CircuitBreaker(failures=1, clock=clock))
+    breakers.get("dead:7000").failure()
+    breakers.get("alive:7001")
+    assert breakers.stats()["breaker_state"] == OPEN
+    breakers.retain({"alive:7001", "promoted:7002"})
+    assert breakers.addresses() == ["alive:7001"]
+    assert breakers.stats()["breaker_state"] == CLOSED
+    assert breakers.stats()["breaker_trips"] == 1  # trips are history: they stay counted

@@ -2,7 +2,10 @@
 
 Every client gets: bounded connections, connect and socket timeouts, retry with exponential
 backoff (a value passed in, not a flag), TLS from the config, and a zero-copy command packer
-so large values go from tensor memory straight to the socket. ``check_connection`` tells a
+so large values go from tensor memory straight to the socket (on connections whose sockets
+``tiers/bulk_read.py`` may read replies into tensors from). Building a client does no I/O: a
+cluster client is built on first use (``cluster_client.LazyCluster``), a Sentinel-managed one
+asks the Sentinels for the master when it first connects. ``check_connection`` tells a
 configuration problem (bad credentials, TLS trust) from an outage.
 """
 
@@ -25,11 +28,12 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
+from ec_redis.cluster_client import LazyCluster
 from ec_redis.config import CacheConfig
 from ec_redis.errors import RedisSetupError
-from ec_redis.redis_url import parse_target
+from ec_redis.redis_url import RedisTarget, parse_target
 
 # Arguments above this size are sent as their own buffer, never copied into the command.
 _BUFFER_CUTOFF = 64 * 1024
@@ -59,6 +63,28 @@ class ZeroCopyUnixConnection(UnixDomainSocketConnection):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
+class ZeroCopySentinelConnection(SentinelManagedConnection):
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", _packer())
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+
+
+class ZeroCopySentinelSSLConnection(SentinelManagedSSLConnection):
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", _packer())
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+
+
+# The connections whose sockets bulk_read may read replies from (all pack with _packer).
+ZERO_COPY_CONNECTIONS: tuple[type, ...] = (
+    ZeroCopyConnection,
+    ZeroCopySSLConnection,
+    ZeroCopyUnixConnection,
+    ZeroCopySentinelConnection,
+    ZeroCopySentinelSSLConnection,
+)
+
+
 class SentinelMasterClient(redis.Redis):
     """The Sentinel-managed master's client; ``close()`` also closes the connections to the
     Sentinels that its master lookups opened (redis-py leaves them to the garbage collector)."""
@@ -86,25 +112,7 @@ def make_client(config: CacheConfig) -> Any:
     target = parse_target(config.redis_url)
     common = _common_kwargs(config)
     if target.kind == "cluster":
-        # redis-py hands our connection class to a cluster's node clients only on its
-        # from_url path: otherwise it calls redis.Redis(connection_class=...), which raises
-        # TypeError, reported as "Redis Cluster cannot be connected". So the first node goes
-        # as a plain redis:// URL (no credentials: those and TLS go as keywords; rediss://
-        # would replace our class with SSLConnection), the others as startup nodes.
-        (host, port), *others = target.nodes
-        return RedisCluster(
-            url=f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}",
-            startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
-            username=target.username,
-            password=target.password,
-            connection_class=ZeroCopySSLConnection if target.tls else ZeroCopyConnection,
-            max_connections=config.redis_max_connections,  # per node
-            # Keep using the slots that are up; the servers need cluster-require-full-coverage
-            # no for that too (otherwise every master answers CLUSTERDOWN during a failover).
-            require_full_coverage=False,
-            **_tls_kwargs(config, target.tls),
-            **common,
-        )
+        return LazyCluster(lambda: _cluster(config, target, common))
     if target.kind == "sentinel":
         sentinel_kwargs: dict[str, Any] = {
             "socket_timeout": config.redis_socket_timeout_s,
@@ -124,8 +132,10 @@ def make_client(config: CacheConfig) -> Any:
             username=target.username,
             password=target.password,
             db=target.db,
-            command_packer=_packer(),
-            ssl=target.tls,
+            # our class instead of redis-py's choice by ``ssl=``: the same, plus our packer
+            connection_class=(
+                ZeroCopySentinelSSLConnection if target.tls else ZeroCopySentinelConnection
+            ),
             **_tls_kwargs(config, target.tls),
             **common,
         )
@@ -148,6 +158,30 @@ def make_client(config: CacheConfig) -> Any:
     client = redis.Redis(connection_pool=pool)
     client.auto_close_connection_pool = True  # close() disconnects the pool (as from_pool())
     return client
+
+
+def _cluster(config: CacheConfig, target: RedisTarget, common: dict[str, Any]) -> RedisCluster:
+    """The ``RedisCluster``: its constructor asks a seed node for the slot map, so it raises
+    (``RedisClusterException``) while none answers."""
+    # redis-py hands our connection class to a cluster's node clients only on its
+    # from_url path: otherwise it calls redis.Redis(connection_class=...), which raises
+    # TypeError, reported as "Redis Cluster cannot be connected". So the first node goes
+    # as a plain redis:// URL (no credentials: those and TLS go as keywords; rediss://
+    # would replace our class with SSLConnection), the others as startup nodes.
+    (host, port), *others = target.nodes
+    return RedisCluster(
+        url=f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}",
+        startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
+        username=target.username,
+        password=target.password,
+        connection_class=ZeroCopySSLConnection if target.tls else ZeroCopyConnection,
+        max_connections=config.redis_max_connections,  # per node
+        # Keep using the slots that are up; the servers need cluster-require-full-coverage
+        # no for that too (otherwise every master answers CLUSTERDOWN during a failover).
+        require_full_coverage=False,
+        **_tls_kwargs(config, target.tls),
+        **common,
+    )
 
 
 def _common_kwargs(config: CacheConfig) -> dict[str, Any]:

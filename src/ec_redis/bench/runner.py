@@ -85,29 +85,58 @@ def _redis_rows(
 ) -> list[Row]:
     payload = tensor.view(-1).view(torch.uint8).numpy().tobytes()  # the same number of bytes
     head = tier.keys.head("item")
+    raw_key = "bench:raw" + head[head.index("{") :]  # the entry's hash tag: the same master
 
     def clear() -> None:
-        for key in ["bench:raw", *raw.scan_iter(head + "*")]:
+        for key in [raw_key, *raw.scan_iter(head + "*")]:
             raw.unlink(key)  # one key per call: a cluster refuses cross-slot UNLINKs
 
-    samples: dict[str, list[float]] = {"raw_set": [], "put": [], "raw_get": [], "get": []}
-    ok = True
-    for _ in range(runs):  # interleaved: both sides see the same noise
-        clear()
-        samples["raw_set"].append(_time(lambda: raw.set("bench:raw", payload)))
+    def raw_set() -> None:
+        samples["raw_set"].append(_time(lambda: raw.set(raw_key, payload)))
+
+    def put() -> None:
         samples["put"].append(_time(lambda: tier.put("item", tensor)))
-        samples["raw_get"].append(_time(lambda: raw.get("bench:raw")))
+
+    def raw_get() -> None:
+        samples["raw_get"].append(_time(lambda: raw.get(raw_key)))
+
+    def get() -> None:
         start = time.perf_counter()
-        got = tier.get("item")
+        got.append(tier.get("item"))
         samples["get"].append(time.perf_counter() - start)
-        ok = ok and got is not None and torch.equal(got, tensor)
-    if not ok:
+
+    samples: dict[str, list[float]] = {"raw_set": [], "put": [], "raw_get": [], "get": []}
+    got: list[torch.Tensor | None] = []
+    for run in range(runs):  # interleaved: both sides see the same noise ...
+        clear()
+        settle(raw)
+        # ... and go first in turn; a write's replication is over before anything else runs
+        for step in (raw_set, put, raw_get, get) if run % 2 else (put, raw_set, get, raw_get):
+            step()
+            settle(raw)
+    if not all(t is not None and torch.equal(t, tensor) for t in got):
         raise RuntimeError("benchmark read back a wrong tensor: refusing to report")
     t = {k: Timing(tuple(v)) for k, v in samples.items()}
     return [
         make_row(item, "redis put (encode+SET)", t["put"], "raw SET", t["raw_set"]),
         make_row(item, "redis get (GET+verify)", t["get"], "raw GET", t["raw_get"]),
     ]
+
+
+def settle(raw: Any) -> None:
+    """Wait (untimed) until every master's replicas have what it was sent: on one machine, a
+    replica applying the last write would slow whatever is measured next."""
+    from redis.cluster import RedisCluster
+
+    servers = (
+        [raw.get_redis_connection(node) for node in raw.get_primaries()]  # type: ignore[no-untyped-call]
+        if isinstance(raw, RedisCluster)
+        else [raw]
+    )
+    for server in servers:
+        replicas = int(server.info("replication").get("connected_slaves", 0))
+        if replicas:
+            server.execute_command("WAIT", replicas, 10_000)
 
 
 def _local_rows(item: Item, tensor: torch.Tensor, runs: int, url: str) -> list[Row]:

@@ -241,6 +241,13 @@ def decode_parts(
     if header.codec == CODEC_NONE:
         return _decode_raw(header, parts[0], pieces, st_len)
     payload = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    return _decode_lz4(header, payload)
+
+
+def _decode_lz4(header: BlobHeader, payload: Buffer) -> torch.Tensor:
+    """Decompress the whole payload into the tensor's memory (the one pass over the bytes:
+    the tensor aliases lz4's output), then check it."""
+    st_len = header.raw_len - header.tensor_nbytes
     doc = memoryview(lz4_decompress(payload, header.raw_len))
     body = unshuffle(doc[st_len:], header.dtype.itemsize) if header.shuffled else doc[st_len:]
     hasher = xxhash.xxh3_64(doc[:st_len])
@@ -270,31 +277,6 @@ def _decode_raw(
     stream.copy_into(out.numpy().data, hasher)
     _check(header, hasher.intdigest(), prefix)
     return _as_tensor(header, out)
-
-
-def direct_layout(header: BlobHeader, head_len: int) -> list[int] | None:
-    """Chunk lengths of a raw, unshuffled chunked blob whose head holds exactly the
-    safetensors prefix, so each chunk can be read straight into the tensor's bytes (in
-    order); ``None`` when the blob has another layout (use ``decode_parts``)."""
-    st_len = header.raw_len - header.tensor_nbytes
-    if header.codec != CODEC_NONE or header.part_bytes <= 0 or header.tensor_nbytes == 0:
-        return None
-    if head_len != header.payload_offset + st_len:
-        return None
-    part, total = header.part_bytes, header.tensor_nbytes
-    return [min(part, total - start) for start in range(0, total, part)]
-
-
-def finish_direct(header: BlobHeader, head: Buffer, data: torch.Tensor) -> torch.Tensor:
-    """Validate a blob whose tensor bytes were read straight into ``data`` (see
-    ``direct_layout``): the checksum covers the head's prefix and every byte of ``data``."""
-    prefix = memoryview(head)[header.payload_offset :]
-    if data.numel() != header.tensor_nbytes or len(prefix) != header.raw_len - data.numel():
-        raise BlobError("directly read blob does not match its header")
-    hasher = xxhash.xxh3_64(prefix)
-    hasher.update(data.numpy().data)
-    _check(header, hasher.intdigest(), prefix)
-    return _as_tensor(header, data)
 
 
 class _Concat:

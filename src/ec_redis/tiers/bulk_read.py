@@ -1,39 +1,55 @@
 """Pipelined GETs whose replies land straight in caller memory (one copy: kernel -> tensor).
 
-redis-py's parser materialises every reply as a ``bytes`` object, which the cache would then
-copy again into the tensor. For the chunks of a large entry this reader sends the GETs on a
-pooled connection and ``recv_into``s each reply into its slice of the destination. Commands
-sent ahead of the GETs in the same write (``prelude``: the TTL renewal script) have their small
-replies parsed and returned. Only for a plain ``redis.Redis`` client (one server, TCP/TLS/Unix);
-any surprise disconnects the connection, so the pool never reuses one in an unknown state.
+redis-py's parser materialises every reply as a ``bytes`` object (hiredis: read into its own
+buffer, then copied out), which the cache would then copy again into the tensor. For the
+chunks of a large entry this reader sends the GETs on a pooled connection and ``recv_into``s
+each reply into its slice of the destination (``read_into``); commands sent ahead of the GETs
+in the same write (``prelude``: the TTL renewal script) have their small replies parsed and
+returned. Entry heads are read the same way (``read_values``): a large one-value entry lands
+in a buffer of its own, which the decoded tensor then uses as it is.
+
+For any ``redis.Redis`` client whose pool makes our connections: one server (TCP/TLS/Unix), a
+Sentinel-managed master, and each node of a Redis Cluster. Error replies become redis-py's
+typed errors (``MovedError``, ``AskError``, ``NoScriptError`` ...); any surprise disconnects
+the connection, so the pool never reuses one in an unknown state.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import redis
+from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 _RECV = 64 * 1024
+SMALL_VALUE = 64 * 1024  # up to this, a value is copied out of the read buffer as bytes
 
 
 def supported(client: Any) -> bool:
-    """A single-server client built by ``redis_conn.make_client`` (its pool hands out our
-    socket connections); not clusters, Sentinel-managed pools or test doubles."""
-    from ec_redis.redis_conn import (
-        ZeroCopyConnection,
-        ZeroCopySSLConnection,
-        ZeroCopyUnixConnection,
-    )
+    """A ``redis.Redis`` whose pool hands out our socket connections (``redis_conn``): one
+    server, a Sentinel-managed master, a Cluster node's client; not test doubles."""
+    from ec_redis.redis_conn import ZERO_COPY_CONNECTIONS
 
-    pool = getattr(client, "connection_pool", None)
-    kind = getattr(pool, "connection_class", None)
-    ours = (ZeroCopyConnection, ZeroCopySSLConnection, ZeroCopyUnixConnection)
-    return isinstance(client, redis.Redis) and isinstance(kind, type) and issubclass(kind, ours)
+    if not isinstance(client, redis.Redis):  # first: a lazy cluster client must not build
+        return False
+    kind = getattr(client.connection_pool, "connection_class", None)
+    return isinstance(kind, type) and issubclass(kind, ZERO_COPY_CONNECTIONS)
+
+
+def _error(text: bytes) -> ResponseError:
+    """An error reply as redis-py types it (``MOVED ...`` -> ``MovedError``). ``READONLY``
+    (a Sentinel-managed master demoted under us) raises: the connection must go."""
+    message = text.decode(errors="replace")
+    if message.startswith("READONLY"):
+        raise RedisConnectionError("the previous master is now a replica")
+    error = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
+    return error if isinstance(error, ResponseError) else ResponseError(message)
 
 
 Reply = bytes | int | None | ResponseError | list[Any]
@@ -47,20 +63,35 @@ def read_into(
     prelude: Sequence[Sequence[Any]] = (),
 ) -> tuple[list[Reply], list[int | None]]:
     """Send the ``prelude`` commands, then GET every key into its target. Returns the prelude's
-    replies (an error reply is returned as a ``ResponseError``, not raised) and, per key,
+    replies (an error reply is returned as a typed ``ResponseError``, not raised) and, per key,
     ``None`` when the key is missing, else the value's length (read into the target only when
     it is exactly the target's length; otherwise skipped). A GET's error reply raises."""
+    commands = [*prelude, *(("GET", key) for key in keys)]
+    with _connection(client, commands) as reader:
+        replies = [reader.reply() for _ in prelude]
+        return replies, [reader.bulk_into(target) for target in targets]
+
+
+def read_values(client: Any, commands: Sequence[Sequence[Any]]) -> list[bytes | memoryview | None]:
+    """Send ``commands`` (each answered by one string or nil: ``GET``, ``GETEX``) in one write.
+    A value up to ``SMALL_VALUE`` bytes comes back as ``bytes``; a larger one in a buffer of its
+    own that the socket was read straight into (one copy where redis-py makes two). An error
+    reply raises."""
+    with _connection(client, commands) as reader:
+        return [reader.value() for _ in commands]
+
+
+@contextmanager
+def _connection(client: Any, commands: Sequence[Sequence[Any]]) -> Iterator[_Reader]:
+    """A pooled connection with ``commands`` sent on it, and a reader of its replies; the
+    connection is dropped unless every reply was read."""
     pool = client.connection_pool
     conn = pool.get_connection()
     clean = False
     try:
-        commands = [*prelude, *(("GET", key) for key in keys)]
         conn.send_packed_command(conn.pack_commands(commands))
-        reader = _Reader(conn._sock)
-        replies = [reader.reply() for _ in prelude]
-        found = [reader.bulk_into(target) for target in targets]
+        yield _Reader(conn._sock)
         clean = True
-        return replies, found
     finally:
         if not clean:
             conn.disconnect()
@@ -75,9 +106,13 @@ class _Reader:
     def bulk_into(self, target: memoryview) -> int | None:
         line = self._line()
         if line[:1] == b"-":
-            raise ResponseError(line[1:].decode(errors="replace"))
+            raise _error(line[1:])
         if line == b"_":  # RESP3's null (RESP2 says "$-1")
             return None
+        if line[:1] == b"+":  # fakeredis sends values without CR/LF as simple strings
+            if len(line) - 1 == len(target):
+                target[:] = line[1:]
+            return len(line) - 1
         if line[:1] != b"$":
             raise RedisConnectionError(f"unexpected reply {line[:32]!r} to GET")
         size = int(line[1:])
@@ -91,12 +126,34 @@ class _Reader:
             raise RedisConnectionError("malformed bulk reply")
         return size
 
+    def value(self) -> bytes | memoryview | None:
+        """One string reply (or nil), small ones as bytes, larger ones received in place."""
+        line = self._line()
+        if line[:1] == b"-":
+            raise _error(line[1:])
+        if line == b"_":
+            return None
+        if line[:1] == b"+":  # fakeredis sends values without CR/LF as simple strings
+            return line[1:]
+        if line[:1] != b"$":
+            raise RedisConnectionError(f"unexpected reply {line[:32]!r} to a string command")
+        size = int(line[1:])
+        if size < 0:
+            return None
+        if size <= SMALL_VALUE:
+            return self._take(size + 2)[:-2]
+        target = np.empty(size, dtype=np.uint8).data  # no zero-fill: every byte is received
+        self._fill(target)
+        if self._take(2) != b"\r\n":
+            raise RedisConnectionError("malformed bulk reply")
+        return target
+
     def reply(self) -> Reply:
         """One small reply of any RESP2 type (and RESP3's null)."""
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"-":
-            return ResponseError(rest.decode(errors="replace"))
+            return _error(rest)
         if kind == b"+":
             return rest
         if kind == b":":

@@ -98,10 +98,10 @@ def delete_entry(client: Any, head_key: str) -> bool:
     return False
 
 
-def discard(client: Any, head_key: str, head: bytes, chunks: list[str]) -> bool:
+def discard(client: Any, head_key: str, head: bytes | memoryview, chunks: list[str]) -> bool:
     """Compare-and-delete what a reader read: the head and ``chunks`` go only while the head
     is still ``head``; False (nothing deleted) when a newer version is there."""
-    reply = DELETE.run(client, [head_key, *chunks], [head[:HEADER_SIZE]])
+    reply = DELETE.run(client, [head_key, *chunks], [bytes(head[:HEADER_SIZE])])
     return int(reply[0]) == DELETED
 
 

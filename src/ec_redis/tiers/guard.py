@@ -1,8 +1,10 @@
-"""Faults of Redis calls -> counters, log lines and circuit-breaker verdicts.
+"""Faults of Redis calls -> counters, log lines and the verdicts of each node's breaker.
 
-``Guard.run`` wraps every call the breaker admitted: whatever happens inside, success or any
-exception, the breaker hears about it, so a half-open probe is always answered. A reply from a
-healthy server (an OOM or ACL refusal) is not an outage; everything else that fails is.
+``Guard.run`` wraps every call a node's breaker admitted: whatever happens inside, success or
+any exception, that breaker hears about it, so a half-open probe is always answered. A reply
+from a healthy server (an OOM or ACL refusal, a redirection) is not an outage; everything else
+that fails is. redis-py's cluster errors (``RedisClusterException``, ``SlotNotCoveredError``)
+are not ``RedisError``s, but they are outages too.
 """
 
 from __future__ import annotations
@@ -11,54 +13,57 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
-from redis.exceptions import NoPermissionError, OutOfMemoryError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException
 
-from ec_redis.breaker import CircuitBreaker
+from ec_redis.breaker import Breakers
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 
-REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
 T = TypeVar("T")
 
 
 class Guard:
-    def __init__(self, breaker: CircuitBreaker, counters: Counters, log: RateLimitedLog) -> None:
-        self.breaker = breaker
+    def __init__(self, breakers: Breakers, counters: Counters, log: RateLimitedLog) -> None:
+        self.breakers = breakers
         self.counters = counters
         self.log = log
 
-    def allow(self) -> bool:
-        if self.breaker.allow():
+    def allow(self, address: str) -> bool:
+        """May a call go to the node at ``address`` now (its breaker decides)?"""
+        if self.breakers.get(address).allow():
             return True
         self.counters.inc("skipped_breaker_open")
         return False
 
-    def run(self, op: str, call: Callable[[], T], fallback: T) -> T:
-        """``call()``, or ``fallback`` when it raised; the breaker settles either way.
-        Redis faults, redis-py's cluster errors, a ``TypeError`` from an old redis-py, a
-        ``MemoryError`` from an allocation, and our own bugs alike: nothing raises out."""
+    def run(self, address: str, op: str, call: Callable[[], T], fallback: T) -> T:
+        """``call()``, or ``fallback`` when it raised; the breaker of the node at ``address``
+        settles either way. Redis faults, redis-py's cluster errors, a ``TypeError`` from an
+        old redis-py, a ``MemoryError`` from an allocation, and our own bugs alike: nothing
+        raises out."""
+        breaker = self.breakers.get(address)
         try:
             result = call()
         except REDIS_ERRORS as exc:
             if self.count(op, exc):
-                self.breaker.success()
+                breaker.success()
             else:
-                self.breaker.failure()
+                breaker.failure()
             return fallback
         except Exception as exc:
             self.counters.inc("internal_errors")
             if op == "write":
                 self.counters.inc("write_errors")
-            self.breaker.failure()
+            breaker.failure()
             self.log.warning(
                 "internal-" + op, "ec_redis: unexpected error in a Redis %s (%s: %s); "
                 "treating it as a miss", op, type(exc).__name__, exc,
             )  # fmt: skip
             return fallback
         except BaseException:
-            self.breaker.failure()  # e.g. KeyboardInterrupt: answer the probe, then go on
+            breaker.failure()  # e.g. KeyboardInterrupt: answer the probe, then go on
             raise
-        self.breaker.success()
+        breaker.success()
         return result
 
     def count(self, op: str, exc: BaseException) -> bool:

@@ -1,0 +1,215 @@
+"""Reading versioned entries from one node: one whole version per item, or a miss.
+
+The heads come in one pipelined round trip; a one-value entry is decoded from its head. A
+chunked entry's chunks (exactly those its head names) are read straight into the destination
+(``bulk_read``: one copy, kernel -> buffer) when the client allows and the blob's layout does
+(raw: the tensor's bytes; lz4: the compressed payload, decompressed into the tensor), else in
+one pipelined round trip for all such entries. With a sliding TTL, the head is renewed by the
+read (``GETEX``) and the chunks by a script sent ahead of their ``GET``s. A bad version is
+deleted only while it is still current (compare-and-delete).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ec_redis.codec import decode_parts, read_header
+from ec_redis.codec.direct import direct_layout, finish_direct
+from ec_redis.codec.format import HEADER_SIZE, BlobHeader
+from ec_redis.errors import BlobError, BlobTooLargeError
+from ec_redis.tiers import bulk_read, entry_ops
+from ec_redis.tiers.guard import REDIS_ERRORS, Guard
+from ec_redis.tiers.layout import chunk_keys
+from ec_redis.tiers.nodes import REDIRECTS
+from ec_redis.tiers.scripts import RENEW, is_noscript
+
+Out = dict[str, torch.Tensor | None]
+Buffer = bytes | memoryview
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A chunked entry's head as read: which chunks to fetch, what to compare against."""
+
+    item: str
+    head_key: str
+    head: Buffer
+    header: BlobHeader
+    chunk_keys: list[str]
+
+
+class EntryReader:
+    """Reads entries through ``client`` (any client that reaches the node holding them);
+    faults of the cleanup and renewal side calls are counted through ``guard``."""
+
+    def __init__(self, guard: Guard, max_blob_bytes: int, renew_ms: int | None) -> None:
+        self._guard = guard
+        self.counters = guard.counters
+        self._max_blob_bytes = max_blob_bytes
+        self._renew_ms = renew_ms
+
+    def read(self, client: Any, items: Sequence[str], head_keys: Sequence[str]) -> Out:
+        out: Out = dict.fromkeys(items)
+        direct = bulk_read.supported(client)
+        found: list[_Found] = []
+        for item, head_key, head in zip(
+            items, head_keys, self._heads(client, head_keys, direct), strict=True
+        ):
+            entry = self._classify(client, item, head_key, head, out)
+            if entry is not None:
+                found.append(entry)
+        rest = [entry for entry in found if not (direct and self._read_direct(client, entry, out))]
+        if rest:
+            self._read_chunks(client, rest, out)
+        return out
+
+    def _heads(self, client: Any, head_keys: Sequence[str], direct: bool) -> list[Any]:
+        """Every head in one round trip; reads renew the TTL (``GETEX``): hot entries stay."""
+        if direct:
+            renew = ("PX", self._renew_ms) if self._renew_ms is not None else ()
+            get = "GETEX" if renew else "GET"
+            return bulk_read.read_values(client, [(get, key, *renew) for key in head_keys])
+        pipe = client.pipeline(transaction=False)
+        for head_key in head_keys:
+            if self._renew_ms is not None:
+                pipe.getex(head_key, px=self._renew_ms)
+            else:
+                pipe.get(head_key)
+        return list(pipe.execute())
+
+    def _classify(
+        self, client: Any, item: str, head_key: str, head: Buffer | None, out: Out
+    ) -> _Found | None:
+        """Decode a one-value entry now, or say which chunks the head names."""
+        if head is None:
+            return None
+        try:
+            header = read_header(head, max_blob_bytes=self._max_blob_bytes)
+            if len(head) == header.total_len:
+                out[item] = decode_parts([head], header=header)
+                return None
+            return _Found(item, head_key, head, header, chunk_keys(head_key, header, len(head)))
+        except BlobTooLargeError:
+            # Valid but over *our* limit: a miss here; a reader with a larger limit may use it.
+            self.counters.inc("oversized")
+        except BlobError as exc:
+            self._reject(client, item, head_key, head, [], exc)
+        return None
+
+    def _read_direct(self, client: Any, entry: _Found, out: Out) -> bool:
+        """Read a chunked entry's chunks straight into one buffer (one copy instead of two).
+        False when its layout does not allow that (the pipelined read then does)."""
+        layout = direct_layout(entry.header, len(entry.head))
+        if layout is None or len(layout) != len(entry.chunk_keys):
+            return False
+        data = torch.empty(sum(layout), dtype=torch.uint8)
+        view = data.numpy().data
+        targets, start = [], 0
+        for length in layout:
+            targets.append(view[start : start + length])
+            start += length
+        prelude = [self._renew_command(entry)] if self._renew_ms is not None else []
+        replies, sizes = bulk_read.read_into(client, entry.chunk_keys, targets, prelude)
+        for reply in replies:
+            self._renewed(client, entry, reply)
+        self.counters.inc("direct_reads")
+        if any(size is None for size in sizes):
+            self._partial(client, entry)
+            return True
+        try:
+            if sizes != layout:
+                raise BlobError("a chunk's length disagrees with the blob header")
+            out[entry.item] = finish_direct(entry.header, entry.head, data)
+        except BlobError as exc:
+            self._reject(client, entry.item, entry.head_key, entry.head, entry.chunk_keys, exc)
+        return True
+
+    def _read_chunks(self, client: Any, found: list[_Found], out: Out) -> None:
+        """All chunks of every entry in one pipelined round trip (with their TTL renewals)."""
+        pipe = client.pipeline(transaction=False)
+        for entry in found:
+            if self._renew_ms is not None:
+                pipe.execute_command(*self._renew_command(entry))
+            for key in entry.chunk_keys:
+                pipe.get(key)
+        replies = pipe.execute(raise_on_error=False)
+        renewals: list[Any] = []
+        chunks: list[list[Any]] = []
+        at = 0
+        for entry in found:
+            if self._renew_ms is not None:
+                renewals.append(replies[at])
+                at += 1
+            chunks.append(replies[at : at + len(entry.chunk_keys)])
+            at += len(entry.chunk_keys)
+        failed = [r for parts in chunks for r in parts if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]  # a GET refused (e.g. a foreign key's type): the read failed
+        for entry, reply in zip(found, renewals, strict=False):
+            self._renewed(client, entry, reply)
+        for entry, parts in zip(found, chunks, strict=True):
+            out[entry.item] = self._assemble(client, entry, [entry.head, *parts])
+
+    def _assemble(
+        self, client: Any, entry: _Found, parts: Sequence[Buffer | None]
+    ) -> torch.Tensor | None:
+        if any(p is None for p in parts):
+            self._partial(client, entry)
+            return None
+        try:
+            return decode_parts([p for p in parts if p is not None], header=entry.header)
+        except BlobError as exc:
+            self._reject(client, entry.item, entry.head_key, entry.head, entry.chunk_keys, exc)
+            return None
+
+    def _renew_command(self, entry: _Found) -> tuple[Any, ...]:
+        return RENEW.command(*self._renew_args(entry))
+
+    def _renew_args(self, entry: _Found) -> tuple[list[str], list[Any]]:
+        return [entry.head_key, *entry.chunk_keys], [
+            bytes(entry.head[:HEADER_SIZE]),
+            self._renew_ms,
+        ]
+
+    def _renewed(self, client: Any, entry: _Found, reply: Any) -> None:
+        """Check a chunk-TTL renewal's reply; a server that lacks the script gets it now."""
+        if not isinstance(reply, Exception):
+            return
+        if isinstance(reply, REDIRECTS):
+            raise reply  # the slot moved: the caller reads the entry where it lives now
+        try:
+            if not is_noscript(reply):
+                raise reply
+            RENEW.eval(client, *self._renew_args(entry))
+        except REDIS_ERRORS as exc:  # a renewal is best effort: the read itself succeeded
+            self.counters.inc("renew_errors")
+            self._guard.count("renew", exc)
+
+    # -- bad entries -----------------------------------------------------------------------
+
+    def _partial(self, client: Any, entry: _Found) -> None:
+        # Part of the entry was evicted: a miss, and clean up (if nobody replaced it since).
+        self.counters.inc("partial_entries")
+        self._discard(client, entry.head_key, entry.head, entry.chunk_keys)
+
+    def _reject(
+        self, client: Any, item: str, head_key: str, head: Buffer, chunks: list[str], exc: Exception
+    ) -> None:
+        self.counters.inc("bad_blobs")
+        self._guard.log.warning(
+            "blob", "ec_redis: rejected blob for item %r (%s); deleting it", item, exc
+        )
+        self._discard(client, head_key, head, chunks)
+
+    def _discard(self, client: Any, head_key: str, head: Buffer, chunks: list[str]) -> None:
+        """Compare-and-delete what a reader read: the head and its chunks go only while the
+        head is still the one read, never a version written since."""
+        try:
+            if not entry_ops.discard(client, head_key, head, chunks):
+                self.counters.inc("discards_skipped_newer")
+        except REDIS_ERRORS as exc:
+            self._guard.count("unlink", exc)  # the enclosing call settles the breaker
