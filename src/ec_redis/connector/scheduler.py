@@ -295,8 +295,9 @@ class SchedulerSide:
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counters plus the staging gauges."""
         out: dict[str, Any] = dict(self.counters.snapshot())
-        for name, value in self._stager.counters.snapshot().items():
-            out[name] = out.get(name, 0) + value
+        for counters in (self._stager.counters, self._transport.counters):
+            for name, value in counters.snapshot().items():
+                out[name] = out.get(name, 0) + value
         out["staged_bytes"] = self._stager.staged_bytes
         out["reserved_bytes"] = self._stager.reserved_bytes
         return out
