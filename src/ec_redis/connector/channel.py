@@ -107,17 +107,20 @@ class Reader:
         self._counters: dict[str, dict[str, float]] = {}  # per file: last cumulative values
         self._seen: dict[str, int] = {}  # per file: last observation number reported
 
-    def take(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
-        """``(counter increments, gauges, new observations)``."""
+    def take(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], int]:
+        """``(counter increments, gauges, new observations, step)``: ``step`` is the last
+        step whose counters a publisher has published (-1: none yet)."""
         increments: dict[str, float] = {}
         gauges: dict[str, float] = {}
         observed: dict[str, list[float]] = {}
+        step = -1
         for path in sorted(self._dir.glob(self._pattern)):
             try:
                 data = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue  # replaced under us, or gone: the next read sees it
             name = path.name
+            step = max(step, int(data.get("step", -1)))
             last = self._counters.setdefault(name, {})
             for counter, value in data.get("counters", {}).items():
                 change = value - last.get(counter, 0)
@@ -130,7 +133,7 @@ class Reader:
                 if seq > seen:
                     observed.setdefault(series, []).append(value)
                     self._seen[name] = max(self._seen.get(name, 0), seq)
-        return increments, gauges, observed
+        return increments, gauges, observed, step
 
     def remove_all(self) -> None:
         for path in self._dir.glob(self._pattern):

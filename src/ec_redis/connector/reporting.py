@@ -54,8 +54,10 @@ class Reporter:
         if now < self._next_read:
             return {}, {}
         self._next_read = now + READ_INTERVAL_S
-        increments, gauges, observed = self._reader.take()
+        increments, gauges, observed, step = self._reader.take()
         self._worker_gauges.update(gauges)
+        # has_pending_push_work keeps the engine stepping until this catches up.
+        self._scheduler.worker_reported_step = max(self._scheduler.worker_reported_step, step)
         for name, change in increments.items():
             self._worker_totals[name] = self._worker_totals.get(name, 0) + change
         return increments, observed
