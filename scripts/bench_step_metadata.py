@@ -4,8 +4,10 @@ costs through vLLM's own multiprocess broadcast queue (``MessageQueue``), with t
 bytes inline in the metadata (as before) or as tmpfs files the ranks read (``transport.py``).
 
 Per step it measures the pickled metadata size and the time from the scheduler enqueuing the
-step until both ranks hold the item in memory of their own (the worker's load: a clone of
-the unpickled tensor, or a read of the staged file). Staging a file happens on a lookup
+step until both ranks hold the item, loaded as the CPU worker half loads it (a clone of the
+unpickled tensor, or a private mapping of the staged file), with every page of it touched
+once: a mapping costs nothing until it is read, and the first read (vLLM's forward) pays the
+page faults, so leaving them out would flatter the files. Staging a file happens on a lookup
 thread before the step and is reported separately.
 
 Usage: ``.venv/bin/python scripts/bench_step_metadata.py [--steps 20]`` (needs vLLM).
@@ -33,6 +35,7 @@ from ec_redis.connector.transport import FileTransport, InlineTransport, read_st
 ITEMS = {"16 MiB image": 16 << 20, "150 MiB video": 150 << 20}
 WIDTH = 3584  # Qwen2.5-VL-7B's hidden size
 RANKS = 2
+PAGE_BYTES = 4096
 
 
 @dataclass
@@ -59,7 +62,14 @@ def _rank(handle: Any, rank: int, results: Any) -> None:
             tensor = read_staged(load)
             if load.tensor is not None:
                 tensor = tensor.clone()  # a rank never hands vLLM memory it does not own
+            _touch_pages(tensor)
         results.put((rank, time.monotonic() - sent_at))
+
+
+def _touch_pages(tensor: torch.Tensor) -> None:
+    """Read one byte of every page (a mapped file's pages come in on first read)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    int(flat[::PAGE_BYTES].sum())
 
 
 def run(steps: int, progress: Callable[[str], None]) -> list[MetaRow]:

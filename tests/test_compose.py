@@ -443,7 +443,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_epd_topology_runs_locally_and_matches_a_plain_server(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from tests.e2e.harness import SERVER_ENV, ApiServer, CommandServer, stop_servers, wait_healthy
+    from tests.e2e.harness import (
+        SERVER_ENV,
+        SINGLE_PROCESS_ENV,
+        ApiServer,
+        CommandServer,
+        stop_servers,
+        wait_healthy,
+    )
     from tests.e2e.test_online import chat_request, comparable, metric_total, post_chat, wait_for
 
     services = load_compose()["services"]
@@ -465,8 +472,10 @@ def test_epd_topology_runs_locally_and_matches_a_plain_server(
             ports = {name: free_port() for name in ("encoder", "pd", "proxy")}
             for name in ("encoder", "pd"):
                 cmd = local_vllm_command(services[name], tiny_model, ports[name], redis_hosts)
-                servers.append(CommandServer(name, cmd, ports[name], tmp_path, env=SERVER_ENV))
-            servers.append(ApiServer("baseline", tiny_model, tmp_path))  # no EC connector
+                env = {**SERVER_ENV, **SINGLE_PROCESS_ENV}  # the lighter layout, as before
+                servers.append(CommandServer(name, cmd, ports[name], tmp_path, env=env))
+            # No EC connector.
+            servers.append(ApiServer("baseline", tiny_model, tmp_path, env=SINGLE_PROCESS_ENV))
             # proxy: compose's command line with the local URLs, host and port.
             proxy_service = services["proxy"]
             assert proxy_service["entrypoint"] == ["python3", "-m", "ec_redis.proxy"]

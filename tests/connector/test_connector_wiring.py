@@ -223,6 +223,68 @@ def test_worker_stats_reach_vllm_through_the_scheduler_half_exactly_once(
     assert scheduler.stats_snapshot()["saved_items"] == 3  # cumulative view for tools
 
 
+def run_until_idle(scheduler: Any, max_steps: int = 100_000) -> dict[str, Any]:
+    """vLLM's engine loop for an engine with no requests left: each step ends with
+    ``update_from_output`` (connector stats taken), then ``has_requests`` decides whether
+    to step again. Returns the summed counters reported."""
+    reported: dict[str, Any] = {}
+    for _ in range(max_steps):
+        stats = scheduler.get_ec_connector_stats()
+        for name, value in (stats.data if stats is not None else {}).items():
+            if not isinstance(value, list):
+                reported[name] = reported.get(name, 0) + value
+        if not scheduler.has_pending_push_work():
+            return reported
+        time.sleep(0.001)  # vLLM's pause between steps that ran no model
+    raise AssertionError("the engine never went idle")
+
+
+@pytest.mark.redis
+def test_an_engine_keeps_stepping_until_the_workers_report_its_last_save(
+    make_connector: Make, tmp_path: Any
+) -> None:
+    """vLLM takes connector stats only from a step, and a worker half publishes its counters
+    on its own clock (another process in vLLM's default layout): after a step that saved,
+    the scheduler half keeps the engine stepping until the stats channel includes that
+    step, so an encoder that goes idle still reports its last save."""
+    from types import SimpleNamespace
+
+    extra = {"extra": {"stage_dir": str(tmp_path)}}
+    scheduler = make_connector("ec_producer", **extra)
+    worker = make_connector("ec_producer", "worker", **extra)
+    assert scheduler.has_pending_push_work() is False
+    meta = scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=16))
+    assert scheduler.has_pending_push_work() is True  # its report is yet to come
+    # The worker half runs that step: metadata bound, one save, its report at the end.
+    worker.bind_connector_metadata(meta)
+    worker.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
+    worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    assert run_until_idle(scheduler).get("saved_items") == 1
+    # A step that ran no model leaves nothing to wait for.
+    scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
+    assert scheduler.has_pending_push_work() is False
+
+
+@pytest.mark.redis
+def test_a_silent_stats_channel_holds_an_engine_only_for_a_bounded_time(
+    make_connector: Make, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker half ever publishes (a channel that cannot be written): the engine stops
+    waiting for the report after REPORT_CATCH_UP_S."""
+    from types import SimpleNamespace
+
+    from ec_redis.connector import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "REPORT_CATCH_UP_S", 0.3)
+    scheduler = make_connector("ec_producer", extra={"stage_dir": str(tmp_path)})
+    scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=16))
+    started = time.monotonic()
+    assert scheduler.has_pending_push_work() is True
+    run_until_idle(scheduler)
+    assert 0.3 <= time.monotonic() - started < 30  # the bound, with room for a busy machine
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize(("backend", "cpu_tier"), [("uni", True), ("mp", False)])
 def test_a_worker_process_keeps_no_local_tier_nobody_reads(

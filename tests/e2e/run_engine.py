@@ -13,6 +13,7 @@ singleton. The spec (all keys but ``model`` optional)::
       "sampling": {"max_tokens": 4, "prompt_logprobs": 1, "seed": 0},
       "patch": "tests.e2e.faults:flush_redis_after_first_hit",  # called before the engine
       "count_encoder_passes": true,   # count images the vision tower encodes (after start-up)
+      "step_log": "/path/steps.jsonl",  # for a patch that records per-step data (step_probe)
       "rounds": [[request, ...], ...]                 # or "requests": [request, ...] (one round)
     }
 
@@ -25,8 +26,10 @@ The output holds ``rounds``: for each request, ``prompt_token_ids``, ``token_ids
 ``finish_reason``, ``prompt_logprobs`` (the logprob of each prompt token, ``None`` for the
 first) and ``prompt_topk`` (``[[token_id, logprob], ...]`` per position, best first). Floats
 are Python floats, which JSON round-trips exactly, so equal runs compare equal with ``==``.
-It also holds ``shutdown_errors`` (tracebacks; engine and connector shutdown errors are
-reported, not raised) and ``timings_s``. A failure exits non-zero with the traceback on stderr.
+It also holds ``encoder_passes`` (summed over tensor-parallel ranks) and
+``encoder_passes_per_rank``, ``shutdown_errors`` (tracebacks; engine and connector shutdown
+errors are reported, not raised) and ``timings_s``. A failure exits non-zero with the
+traceback on stderr.
 """
 
 from __future__ import annotations
@@ -109,10 +112,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             timings["rounds"].append(time.perf_counter() - t0)
             results.append([summarize(out) for out in outputs])
         stats = connector_stats(llm)
-        encoder_passes = (
-            sum(llm.apply_model(probes.images_encoded))
-            if spec.get("count_encoder_passes")
-            else None
+        per_rank = (
+            llm.apply_model(probes.images_encoded) if spec.get("count_encoder_passes") else None
         )
     finally:
         shutdown_errors = shutdown(llm)
@@ -120,7 +121,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "rounds": results,
         "connector_stats": stats,
-        "encoder_passes": encoder_passes,
+        "encoder_passes": sum(per_rank) if per_rank is not None else None,
+        "encoder_passes_per_rank": per_rank,
         "shutdown_errors": shutdown_errors,
         "timings_s": timings,
     }

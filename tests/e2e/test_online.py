@@ -5,6 +5,10 @@ server (an ``ec_producer``, which only encodes and answers with no tokens), then
 server (an ``ec_consumer``). PD's generated tokens and prompt logprobs must equal those of a
 server without any EC connector, bit for bit, and PD's metrics must show that it took the
 image embeddings from Redis instead of encoding them.
+
+These servers run single-process engines (``SINGLE_PROCESS_ENV``: the worker shares the
+engine core's process), a supported layout; ``test_online_default_layout.py`` runs vLLM's
+default one.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ import requests
 
 from ec_redis.demo.tiny_model import image_data_url, make_image
 from ec_redis.embedded import EmbeddedRedis
-from tests.e2e.harness import ApiServer, requires_vllm, stop_servers, wait_healthy
+from tests.e2e.harness import (
+    SINGLE_PROCESS_ENV,
+    ApiServer,
+    requires_vllm,
+    stop_servers,
+    wait_healthy,
+)
 
 pytestmark = [*requires_vllm, pytest.mark.redis]
 
@@ -34,7 +44,7 @@ REQUEST_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def servers(
+def online_servers(
     redis_server: EmbeddedRedis, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, ApiServer]]:
     """The three servers, started together once for this module's tests (in file order) and
@@ -56,7 +66,11 @@ def servers(
         # All three at once: start-up is mostly single-threaded imports, and three at a time
         # on two cores is no slower in total than two and then one.
         for name, config in configs.items():
-            started.append(ApiServer(name, tiny_model, tmp_path, ec_transfer_config=config))
+            started.append(
+                ApiServer(
+                    name, tiny_model, tmp_path, ec_transfer_config=config, env=SINGLE_PROCESS_ENV
+                )
+            )
         ready = wait_healthy(started, timeout_s=180)
         print(f"servers healthy after (s): {ready}")
         yield {server.name: server for server in started}
@@ -134,9 +148,9 @@ def wait_for(check: Any, timeout_s: float = 10) -> Any:
 
 
 def test_encoder_then_pd_matches_baseline(
-    servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
+    online_servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
 ) -> None:
-    baseline, encoder, pd = servers["baseline"], servers["encoder"], servers["pd"]
+    baseline, encoder, pd = (online_servers[n] for n in ("baseline", "encoder", "pd"))
     store = redis.Redis.from_url(redis_url)
     try:
         baselines = []
@@ -182,8 +196,8 @@ def test_encoder_then_pd_matches_baseline(
         assert baselines[0]["prompt_token_ids"] == baselines[1]["prompt_token_ids"]
         assert baselines[0]["prompt_logprobs"] != baselines[1]["prompt_logprobs"]
         # Both writes landed and were reported (the engine kept stepping until they drained).
-        # This relies on VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker runs in the engine-core
-        # process, so both connector halves share one cache and one report.
+        # Here both connector halves share one process and one cache;
+        # test_online_default_layout.py checks the same counters across processes.
         written = metric_total(encoder, "vllm:ec_redis_redis_written_bytes_total") or 0
         assert written >= 2 * 16 * 128 * 2  # two 16x128 bf16 embeddings, plus headers
     finally:
@@ -191,11 +205,11 @@ def test_encoder_then_pd_matches_baseline(
 
 
 def test_a_request_aborted_while_it_waits_leaves_pd_healthy(
-    servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
+    online_servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
 ) -> None:
     """A client gives up on PD while PD waits for an image no encoder will ever publish:
     vLLM aborts the request mid-wait; PD keeps serving, correctly, and holds nothing."""
-    baseline, encoder, pd = servers["baseline"], servers["encoder"], servers["pd"]
+    baseline, encoder, pd = (online_servers[n] for n in ("baseline", "encoder", "pd"))
     fallbacks_before = metric_total(pd, "vllm:ec_redis_local_fallbacks_total") or 0
     started = time.monotonic()
     with ThreadPoolExecutor(1) as pool:

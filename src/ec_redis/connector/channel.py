@@ -116,6 +116,7 @@ class Reader:
         self._counters: dict[str, dict[str, float]] = {}  # per file: last cumulative values
         self._seen: dict[str, int] = {}  # per file: last observation number reported
         self._versions: dict[Path, tuple[int, int]] = {}  # per file: (mtime_ns, size) read
+        self._steps: dict[Path, int] = {}  # per file: the last step it published
         self._paths: list[Path] = []
         self._next_glob = 0.0
 
@@ -126,8 +127,9 @@ class Reader:
             self._paths = sorted(self._dir.glob(self._pattern))
         return self._paths
 
-    def take(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
-        """``(counter increments, gauges, new observations)``."""
+    def take(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], int]:
+        """``(counter increments, gauges, new observations, step)``: ``step`` is the last
+        step whose counters a publisher has published (-1: none yet)."""
         increments: dict[str, float] = {}
         gauges: dict[str, float] = {}
         observed: dict[str, list[float]] = {}
@@ -142,6 +144,7 @@ class Reader:
                 continue  # replaced under us, or gone: the next read sees it
             self._versions[path] = version
             name = path.name
+            self._steps[path] = int(data.get("step", -1))
             last = self._counters.setdefault(name, {})
             for counter, value in data.get("counters", {}).items():
                 change = value - last.get(counter, 0)
@@ -154,7 +157,8 @@ class Reader:
                 if seq > seen:
                     observed.setdefault(series, []).append(value)
                     self._seen[name] = max(self._seen.get(name, 0), seq)
-        return increments, gauges, observed
+        step = max(self._steps.values(), default=-1)
+        return increments, gauges, observed, step
 
     def remove_all(self) -> None:
         for path in self._dir.glob(self._pattern):

@@ -111,10 +111,11 @@ class ECRedisConnector(ECConnectorBase):
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
+        meta = self._worker.worker_meta(self._connector_metadata)  # marks the step as run
         if self._publisher is not None and self._worker.changed:
             self._worker.changed = False
             self._publisher.publish()  # before this step's output reaches the scheduler
-        return self._worker.worker_meta(self._connector_metadata)
+        return meta
 
     # -- scheduler side ---------------------------------------------------------------------
 

@@ -43,8 +43,10 @@ class Reporter:
         return out
 
     def _read_channel(self) -> tuple[dict[str, float], dict[str, list[float]]]:
-        increments, gauges, observed = self._reader.take()  # cheap when nothing changed
+        increments, gauges, observed, step = self._reader.take()  # cheap when unchanged
         self._worker_gauges.update(gauges)
+        # has_pending_push_work keeps the engine stepping until this catches up.
+        self._scheduler.worker_reported_step = max(self._scheduler.worker_reported_step, step)
         for name, change in increments.items():
             self._worker_totals[name] = self._worker_totals.get(name, 0) + change
         return increments, observed

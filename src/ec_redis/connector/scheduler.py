@@ -47,6 +47,10 @@ from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 
 PUSH_REPORT_FRESH_S = 10.0
+# Longest the engine keeps stepping for the worker halves' report of a step that loaded or
+# saved (the channel is refreshed every 0.25 s and read every 0.1 s; this covers a starved
+# publisher thread, and bounds the cost of a channel that cannot be written).
+REPORT_CATCH_UP_S = 5.0
 MAX_OBSERVATIONS = 1024
 HOUSEKEEPING_S = 1.0
 
@@ -100,8 +104,12 @@ class SchedulerSide:
         # Worker reports (producers).
         self._pending_writes = 0
         self._pending_reported_at = 0.0
-        # Gauges of the worker halves as last read from the stats channel (reporting.py).
+        # Gauges of the worker halves as last read from the stats channel (reporting.py),
+        # and the last step their published counters include.
         self.worker_gauges: dict[str, float] = {}
+        self.worker_reported_step = -1
+        self._report_step = -1  # the last step whose worker-side counters vLLM must see
+        self._report_step_at = 0.0
         self._next_housekeeping = 0.0
         self._log = RateLimitedLog()
         # A pure consumer hears the moment a producer stores an item it may wait for.
@@ -201,6 +209,9 @@ class SchedulerSide:
         meta = ECRedisMetadata(loads=list(self._loads.values()), step=self._step)
         self._loads, self._answers, self._current = {}, {}, None
         self._step += 1
+        if meta.loads or (self._is_producer and self._ran_model(scheduler_output)):
+            # The workers count loads and saves in this step (report_pending).
+            self._report_step, self._report_step_at = meta.step, self._clock()
         try:
             if self._idle(scheduler_output):
                 self._wait_for_lookups()
@@ -213,6 +224,10 @@ class SchedulerSide:
     @staticmethod
     def _idle(scheduler_output: Any) -> bool:
         return getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+
+    @staticmethod
+    def _ran_model(scheduler_output: Any) -> bool:
+        return bool(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
 
     def _wait_for_lookups(self) -> None:
         """One bounded wait on a step that scheduled nothing while requests wait for us: the
@@ -242,7 +257,20 @@ class SchedulerSide:
                 self._transport.step_done(meta.loaded_step)  # every rank ran those loads
 
     def has_pending_push_work(self) -> bool:
-        """Keep a producer-only engine stepping while its Redis writes drain.
+        """Keep the engine stepping while something it did has not reached vLLM yet: a
+        producer-only engine's Redis writes draining, or the worker halves' counters of the
+        last step that loaded or saved (vLLM takes connector stats only from a step)."""
+        return self._writes_pending() or self._report_pending()
+
+    def _report_pending(self) -> bool:
+        """The worker halves' published counters do not include the last step that loaded or
+        saved yet (a worker process publishes on its own clock: ``channel.py``)."""
+        if self._report_step < 0 or self.worker_reported_step >= self._report_step:
+            return False
+        return self._clock() - self._report_step_at < REPORT_CATCH_UP_S
+
+    def _writes_pending(self) -> bool:
+        """A producer-only engine's Redis writes are still draining.
 
         With the worker in this process the shared cache's write queue says so directly
         (vLLM's V1 encoder-only path drops worker metadata); otherwise the last report from
@@ -295,8 +323,9 @@ class SchedulerSide:
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counters plus the staging gauges."""
         out: dict[str, Any] = dict(self.counters.snapshot())
-        for name, value in self._stager.counters.snapshot().items():
-            out[name] = out.get(name, 0) + value
+        for counters in (self._stager.counters, self._transport.counters):
+            for name, value in counters.snapshot().items():
+                out[name] = out.get(name, 0) + value
         out["staged_bytes"] = self._stager.staged_bytes
         out["reserved_bytes"] = self._stager.reserved_bytes
         return out

@@ -38,6 +38,8 @@ COUNTERS: dict[str, str] = {
     "skipped_encodes": "Items a producer did not encode because they were already published",
     "stage_full": "Items encoded locally because staging had no room (stage_bytes)",
     "stage_overflow": "Fetched items dropped because they outgrew their staging reservation",
+    "staged_files": "Fetched items staged as host-local files the worker processes read",
+    "stage_inline_fallbacks": "Items staged inline (in the step metadata) because a file failed",
     "internal_errors": "Unexpected errors inside connector hooks (each fell back to encoding)",
 }
 GAUGES: dict[str, str] = {

@@ -107,6 +107,7 @@ class FileTransport(InlineTransport):
             return found
         with self._lock:
             self._refs[path] = 1
+        self.counters.inc("staged_files")
         return Found(found.dtype, found.shape, path=path)
 
     def discard(self, found: Found) -> None:

@@ -66,6 +66,7 @@ class WorkerSide:
         self._is_producer = is_producer
         self._saves = saves  # producer on the rank that publishes (TP rank 0)
         self._published = _RecentSet()
+        self._ran_step = -1  # the last step this half finished (its counters include it)
         self.counters = Counters()
         self._observations = Observations()
         self.changed = False  # since the last publish on the stats channel
@@ -137,6 +138,7 @@ class WorkerSide:
         writer = self._cache.writer
         pending = writer.depth()[0] if writer is not None and self._saves else 0
         step = meta.step if isinstance(meta, ECRedisMetadata) else -1
+        self._ran_step = max(self._ran_step, step)  # vLLM calls this last in every step
         return ECRedisWorkerMetadata(pending, step)
 
     def _observe(self, name: str, value: float) -> None:
@@ -148,14 +150,17 @@ class WorkerSide:
         return dict(self.counters.snapshot())
 
     def channel_snapshot(self) -> dict[str, Any]:
-        """What this half publishes for the scheduler half to report (``channel.py``): its
-        cumulative counters, its cache's write side when it saves, recent observations."""
+        """What this half publishes for the scheduler half to report (``channel.py``): the
+        last step it finished, its cumulative counters (read after the step, so they include
+        that step's), its cache's write side when it saves, recent observations."""
+        step = self._ran_step
         counters: dict[str, float] = dict(self.counters.snapshot())
         gauges: dict[str, float] = {}
         if self._saves:
             written, gauges = write_counters(self._cache.stats())
             counters.update(written)
         return {
+            "step": step,
             "counters": counters,
             "gauges": gauges,
             "observations": self._observations.snapshot(),

@@ -1,6 +1,7 @@
-"""Encoder-pass probe: counts the images a LLaVA vision tower encodes, run inside an engine's
-worker through ``LLM.apply_model`` (importable by module name, so it also works when the
-worker is another process)."""
+"""Encoder-pass probe: counts the images a LLaVA vision tower encodes, inside an engine's
+worker — through ``LLM.apply_model`` (the functions are importable by module name, so this
+also works when the worker is another process), or in a server through ``collective_rpc``
+with ``EncoderPassProbe`` as vLLM's worker extension."""
 
 from __future__ import annotations
 
@@ -28,3 +29,19 @@ def count_encoder_passes(model: torch.nn.Module) -> None:
 def images_encoded(model: torch.nn.Module) -> int:
     """Images encoded in this process since ``count_encoder_passes`` was applied."""
     return _images_encoded[0]
+
+
+class EncoderPassProbe:
+    """The probe as a vLLM worker extension, for servers: start one with
+    ``--worker-extension-cls ec_redis.demo.probes.EncoderPassProbe`` (and, to reach it over
+    HTTP, ``VLLM_SERVER_DEV_MODE=1``), then ``POST /collective_rpc`` with
+    ``{"method": "ec_redis_count_encoder_passes"}`` once and ``{"method":
+    "ec_redis_images_encoded"}`` whenever: one count per rank. vLLM mixes this class into
+    its worker class, which provides ``get_model``."""
+
+    def ec_redis_count_encoder_passes(self) -> None:
+        worker: Any = self  # vLLM's worker, which this class is mixed into
+        count_encoder_passes(worker.get_model())
+
+    def ec_redis_images_encoded(self) -> int:
+        return _images_encoded[0]
