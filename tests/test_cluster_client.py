@@ -56,17 +56,17 @@ def test_a_cluster_client_is_built_on_first_use_and_retried_after_a_backoff(
     assert caplog.text.count("no Redis Cluster seed node answers") == 1
     clock.now += 1.0  # backoff after one failure: 0.5 * 2 = 1 s
     with pytest.raises(redis.ConnectionError):
-        lazy.get()
+        lazy.cluster()
     assert seeds.attempts == 2
     clock.now += 2.0
     seeds.up = True
     with caplog.at_level(logging.WARNING, logger="ec_redis"):
-        client = lazy.get()
-    assert lazy.built is client and lazy.get() is client and seeds.attempts == 3
+        client = lazy.cluster()
+    assert lazy.built is client and lazy.cluster() is client and seeds.attempts == 3
     assert "reachable after 2 failed attempts" in caplog.text
     lazy.close()
     with pytest.raises(redis.ConnectionError, match="closed"):
-        lazy.get()
+        lazy.cluster()
     assert seeds.attempts == 3
 
 
@@ -111,3 +111,22 @@ def test_cluster_errors_are_outages_not_internal_errors(error: Exception) -> Non
     stats = tier.stats()
     assert stats["errors"] == 2 and "internal_errors" not in stats, stats
     assert breaker.state == OPEN  # two failures in a row opened it
+
+
+def test_redis_commands_pass_through_even_where_a_name_could_clash() -> None:
+    """``get``/``set``/``delete`` are Redis commands of the built client (the CLI's doctor
+    probes with them), never methods of the wrapper."""
+    from redis.cluster import RedisCluster
+
+    calls: list[tuple[str, tuple[object, ...]]] = []
+
+    class Fake(RedisCluster):  # type: ignore[misc]
+        def __init__(self) -> None:  # no connection
+            pass
+
+        def get(self, *args: object) -> object:  # type: ignore[override]
+            calls.append(("get", args))
+            return b"v"
+
+    lazy = LazyCluster.of(Fake())
+    assert lazy.get("k") == b"v" and calls == [("get", ("k",))]

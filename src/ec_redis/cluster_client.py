@@ -30,8 +30,9 @@ BUILD_BACKOFF = ExponentialBackoff(cap=2.0, base=0.05)
 
 
 class LazyCluster:
-    """``build()`` makes the ``RedisCluster``; ``get()`` returns it, building it first if
-    needed. Attribute access is forwarded to it (``pipeline``, ``pubsub``, ``ping`` ...)."""
+    """``build()`` makes the ``RedisCluster``; ``cluster()`` returns it, building it first if
+    needed. Attribute access is forwarded to it (``pipeline``, ``pubsub``, ``ping``, ``get``
+    ...), so no method of this class may share a name with a Redis command."""
 
     def __init__(
         self,
@@ -61,7 +62,7 @@ class LazyCluster:
         """The cluster client, or ``None`` while it could not be built yet."""
         return self._client
 
-    def get(self) -> RedisCluster:
+    def cluster(self) -> RedisCluster:
         """The cluster client; ``redis.ConnectionError`` while no seed node answers."""
         client = self._client
         if client is not None:
@@ -98,7 +99,7 @@ class LazyCluster:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never build for private lookups (copy, pickle probes)
             raise AttributeError(name)
-        return getattr(self.get(), name)
+        return getattr(self.cluster(), name)
 
     def close(self) -> None:
         """Close the built client (if any); later uses raise ``ConnectionError``."""

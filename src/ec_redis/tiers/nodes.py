@@ -47,7 +47,8 @@ class Nodes(Protocol):
     default_address: str
 
     def split(self, keys: Sequence[str]) -> list[Group]:
-        """The keys' indices grouped by the node serving them (no I/O)."""
+        """The keys' indices grouped by the node serving them (no I/O, but for building a
+        cluster client on first use)."""
         ...
 
     def redirected(self) -> Any:
@@ -101,9 +102,12 @@ class ClusterNodes:
         self.refreshes = 0
 
     def split(self, keys: Sequence[str]) -> list[Group]:
-        client = self._cluster.built
-        if client is None:  # built by the first call, under the breaker of this group
-            return [(self._whole, list(range(len(keys))))] if keys else []
+        if not keys:
+            return []
+        try:  # built on first use (reading the slot map), so even a first batch goes per node
+            client = self._cluster.built or self._cluster.cluster()
+        except REDIS_ERRORS:  # no seed answers: the group's breaker hears it on the call
+            return [(self._whole, list(range(len(keys))))]
         groups: dict[str, Group] = {}
         for index, key in enumerate(keys):
             node = self._node(client, key)
