@@ -76,6 +76,8 @@ class ECRedisConnector(ECConnectorBase):
                 _rank_device(),
                 is_producer=self.is_producer,
                 saves=self.is_producer and speaks,
+                # Only a pure producer has consumers waiting for what it just encoded.
+                save_wait_s=options.save_wait_s if not self.is_consumer else 0.0,
             )
             if speaks:
                 self._publisher = channel.Publisher(stage_dir, key, self._worker.channel_snapshot)

@@ -39,6 +39,7 @@ COUNTERS: dict[str, str] = {
     "stage_full": "Items encoded locally because staging had no room (stage_bytes)",
     "stage_overflow": "Fetched items dropped because they outgrew their staging reservation",
     "internal_errors": "Unexpected errors inside connector hooks (each fell back to encoding)",
+    "save_wait_timeouts": "Saved items not yet in Redis when their step's save_wait_s ran out",
 }
 GAUGES: dict[str, str] = {
     "breaker_state": "Redis circuit breaker: 0 closed, 1 open, 2 half-open",
