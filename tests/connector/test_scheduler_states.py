@@ -269,6 +269,29 @@ def test_one_bounded_wait_per_idle_step_and_none_when_work_is_scheduled() -> Non
     cache.open(100)
 
 
+def test_the_engine_steps_on_until_a_lookup_that_outlived_its_request_is_reported() -> None:
+    """vLLM reports stats only while it steps: an encoder's head check that returns after
+    its request was encoded and finished must still reach /metrics."""
+    side, cache = make_side("ec_producer", producer_check_wait_s=0.01)
+    req = request("r1", ("a", 16))
+    side.begin_report()
+    assert side.has_pending_push_work() is False
+    generation = side._stager.generation
+    assert side.ensure_cache_available(req, 0) is False  # the check runs (gate closed)
+    time.sleep(0.05)
+    assert side.ensure_cache_available(req, 0) is True  # too late to spare the encoder
+    side.request_finished(req)
+    side.begin_report()
+    assert side.take_observations() == {}
+    assert side.has_pending_push_work() is True  # the check is still in flight
+    cache.open()
+    settle(side, generation)
+    assert side.has_pending_push_work() is True  # returned, not yet reported
+    side.begin_report()
+    assert len(side.take_observations()["fetch_seconds"]) == 1
+    assert side.has_pending_push_work() is False  # reported: the engine may go idle
+
+
 def test_hooks_never_raise_on_broken_input() -> None:
     side, _ = make_side()
 

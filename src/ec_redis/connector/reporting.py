@@ -1,19 +1,16 @@
 """What the scheduler half reports to vLLM each step: its own increments (lookups, staging,
 the read side of its cache) plus the worker halves' (saves, loads, the write side of their
-cache), read from the stats channel. Each increment is reported once."""
+cache), read from the stats channel at every step (vLLM asks while processing a step's
+output, after the workers published what the step did). Each increment is reported once."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 from ec_redis.cache import TieredCache
 from ec_redis.connector.channel import Reader
 from ec_redis.connector.scheduler import SchedulerSide
 from ec_redis.connector.stats import MAX_OBSERVATIONS, Deltas, read_counters
-
-READ_INTERVAL_S = 0.1  # the channel is read at most this often (vLLM asks every step)
 
 
 class Reporter:
@@ -22,20 +19,18 @@ class Reporter:
         scheduler: SchedulerSide,
         cache: TieredCache,
         reader: Reader,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._scheduler = scheduler
         self._cache = cache
         self._reader = reader
-        self._clock = clock
         self._deltas = Deltas()
-        self._next_read = 0.0
         self._worker_totals: dict[str, float] = {}  # cumulative, for stats_snapshot
         self._worker_gauges: dict[str, float] = {}
         scheduler.worker_gauges = self._worker_gauges  # has_pending_push_work reads them
 
     def take(self) -> dict[str, Any]:
         """Increments since the last call: counters, changed gauges, new observations."""
+        self._scheduler.begin_report()  # before reading anything a lookup may still change
         increments, observed = self._read_channel()
         data = self._deltas({**self._own(), **self._worker_gauges})
         for name, change in increments.items():
@@ -50,15 +45,15 @@ class Reporter:
         return out
 
     def _read_channel(self) -> tuple[dict[str, float], dict[str, list[float]]]:
-        now = self._clock()
-        if now < self._next_read:
-            return {}, {}
-        self._next_read = now + READ_INTERVAL_S
         increments, gauges, observed = self._reader.take()
         self._worker_gauges.update(gauges)
         for name, change in increments.items():
             self._worker_totals[name] = self._worker_totals.get(name, 0) + change
         return increments, observed
+
+    def acks(self) -> dict[str, int]:
+        """What the workers may forget (sent to them in the step metadata)."""
+        return self._reader.acks()
 
     def snapshot(self) -> dict[str, Any]:
         """Cumulative: this half's counters plus the worker halves' as last read."""

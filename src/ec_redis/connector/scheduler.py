@@ -100,6 +100,8 @@ class SchedulerSide:
         # Worker reports (producers).
         self._pending_writes = 0
         self._pending_reported_at = 0.0
+        self._reported_generation = 0  # the stager's generation when stats were last taken
+        self._reported_at = -PUSH_REPORT_FRESH_S
         # Gauges of the worker halves as last read from the stats channel (reporting.py).
         self.worker_gauges: dict[str, float] = {}
         self._next_housekeeping = 0.0
@@ -241,13 +243,26 @@ class SchedulerSide:
             if meta.loaded_step >= 0:
                 self._transport.step_done(meta.loaded_step)  # every rank ran those loads
 
+    def begin_report(self) -> None:
+        """The stats vLLM is about to get include every lookup returned by now."""
+        self._reported_generation = self._stager.generation
+        self._reported_at = self._clock()
+
     def has_pending_push_work(self) -> bool:
-        """Keep a producer-only engine stepping while its Redis writes drain.
+        """Keep the engine stepping while something it did is still to be reported: a
+        lookup in flight or returned since the last report (an encoder's head check can
+        return after its request was encoded and finished; vLLM reports only while it
+        steps), and a producer-only engine's Redis writes.
 
         With the worker in this process the shared cache's write queue says so directly
         (vLLM's V1 encoder-only path drops worker metadata); otherwise the last report from
         the workers counts, for a bounded time.
         """
+        if self._stager.in_flight > 0:
+            return True
+        unreported = self._stager.generation != self._reported_generation
+        if unreported and self._clock() - self._reported_at < PUSH_REPORT_FRESH_S:
+            return True  # (only while someone takes the stats: never spin for nobody)
         if not self._is_producer or self._is_consumer:
             return False
         writer = self._cache.writer

@@ -171,6 +171,10 @@ class WorkerSide:
     def _observe(self, name: str, value: float) -> None:
         self._observations.add(name, value)
 
+    def forget_observations(self, upto: int) -> None:
+        """The scheduler half has reported observations up to number ``upto``."""
+        self._observations.trim(upto)
+
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counters (for tests and tools)."""
         return dict(self.counters.snapshot())
@@ -178,11 +182,17 @@ class WorkerSide:
     def channel_snapshot(self) -> dict[str, Any]:
         """What this half publishes for the scheduler half to report (``channel.py``): its
         cumulative counters, its cache's write side when it saves, recent observations."""
+        # The queue depth before the counters: a write that lands in between is then counted
+        # and still shown queued (the next publish says 0), never done but not yet counted.
+        writer = self._cache.writer
+        depth = writer.depth()[0] if writer is not None and self._saves else None
         counters: dict[str, float] = dict(self.counters.snapshot())
         gauges: dict[str, float] = {}
         if self._saves:
             written, gauges = write_counters(self._cache.stats())
             counters.update(written)
+            if depth is not None:
+                gauges["write_queue_depth"] = depth
         return {
             "counters": counters,
             "gauges": gauges,
