@@ -101,7 +101,11 @@ def test_stats_aggregate_reduce_and_round_trip_through_a_plain_dict() -> None:
     from ec_redis.connector import ECRedisConnector
     from ec_redis.connector.stats import ECRedisStats
 
-    first = ECRedisStats(data={"hits_redis": 3, "misses": 1, "load_seconds": [0.002]})
+    # Seven looks found nothing (a waiting consumer re-looks) and one item was encoded locally:
+    # the hit rate is per item (4 of 5 served), not per look.
+    first = ECRedisStats(
+        data={"hits_redis": 3, "misses": 7, "local_fallbacks": 1, "load_seconds": [0.002]}
+    )
     second = ECRedisConnector.build_ec_connector_stats(
         {"hits_cpu": 1, "load_seconds": [0.004], "breaker_state": 1}
     )

@@ -95,10 +95,7 @@ class ECRedisStats(ECConnectorStats):
                     out[f"{key}_max"] = round(ordered[-1], 6)
             else:
                 out[key] = value
-        hits = sum(int(self.data.get(f"hits_{t}", 0)) for t in ("gpu", "cpu", "redis"))
-        lookups = hits + int(self.data.get("misses", 0))
-        if lookups:
-            out["hit_rate"] = round(hits / lookups, 4)
+        out.update(hit_rate(self.data))
         return out
 
     def is_empty(self) -> bool:
@@ -144,6 +141,19 @@ class ECRedisPromMetrics(ECConnectorPromMetrics):
             elif key in self._histograms and isinstance(value, list):
                 for observation in value:
                     self._histograms[key][engine_idx].observe(observation)
+
+
+def hit_rate(data: dict[str, Any]) -> dict[str, float]:
+    """``{"hit_rate": items served / items needed}``, or ``{}`` when nothing was needed.
+
+    Items needed = served (a hit in any tier) + encoded locally because the cache could not
+    provide them (``local_fallbacks``). Not ``misses``: a consumer waiting for an item looks
+    again every ``recheck_s``, and each look that finds nothing is a miss, so one item that
+    arrives after ten looks would count as one hit and ten misses. The dashboard's hit-rate
+    panels use the same ratio."""
+    hits = sum(float(data.get(f"hits_{tier}", 0)) for tier in ("gpu", "cpu", "redis"))
+    needed = hits + float(data.get("local_fallbacks", 0))
+    return {"hit_rate": round(hits / needed, 4)} if needed else {}
 
 
 def metric_names() -> list[str]:
