@@ -142,6 +142,9 @@ SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+# vLLM's default layout: the engine core in its own process and the worker in another
+# ("multiproc" executor), as ``vllm serve`` runs it; pass as ``ApiServer(..., env=...)``.
+DEFAULT_LAYOUT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # The CPU-friendly engine flags of run_engine.DEFAULT_LLM_KWARGS, as server flags.
 SERVER_ARGS = [
     "--dtype", "bfloat16",
@@ -165,7 +168,10 @@ class ApiServer:
         log_dir: Path,
         ec_transfer_config: dict[str, Any] | None = None,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``env`` goes over SERVER_ENV (e.g. ``DEFAULT_LAYOUT_ENV`` for vLLM's default
+        layout, the worker in its own process)."""
         from ec_redis.embedded import free_port
 
         self.name = name
@@ -179,7 +185,7 @@ class ApiServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args,
         ]  # fmt: skip
-        env = {**os.environ, **SERVER_ENV}
+        env = {**os.environ, **SERVER_ENV, **(env or {})}
         with self.log_path.open("wb") as log:
             # Own session: stop() ends the server, its engine core and their helpers.
             self.proc = subprocess.Popen(
