@@ -34,7 +34,7 @@ REQUEST_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def servers(
+def online_servers(
     redis_server: EmbeddedRedis, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, ApiServer]]:
     """The three servers, started together once for this module's tests (in file order) and
@@ -134,9 +134,9 @@ def wait_for(check: Any, timeout_s: float = 10) -> Any:
 
 
 def test_encoder_then_pd_matches_baseline(
-    servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
+    online_servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
 ) -> None:
-    baseline, encoder, pd = servers["baseline"], servers["encoder"], servers["pd"]
+    baseline, encoder, pd = (online_servers[n] for n in ("baseline", "encoder", "pd"))
     store = redis.Redis.from_url(redis_url)
     try:
         baselines = []
@@ -191,11 +191,11 @@ def test_encoder_then_pd_matches_baseline(
 
 
 def test_a_request_aborted_while_it_waits_leaves_pd_healthy(
-    servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
+    online_servers: dict[str, ApiServer], redis_url: str, tiny_model: Path
 ) -> None:
     """A client gives up on PD while PD waits for an image no encoder will ever publish:
     vLLM aborts the request mid-wait; PD keeps serving, correctly, and holds nothing."""
-    baseline, encoder, pd = servers["baseline"], servers["encoder"], servers["pd"]
+    baseline, encoder, pd = (online_servers[n] for n in ("baseline", "encoder", "pd"))
     fallbacks_before = metric_total(pd, "vllm:ec_redis_local_fallbacks_total") or 0
     started = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
