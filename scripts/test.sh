@@ -17,6 +17,14 @@ if ! command -v docker-compose >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends docker-compose
 fi
+# The Grafana dashboard's queries are evaluated on a real Prometheus (Debian's package, run
+# directly by the test with its own config and storage; the package's service never starts
+# where policy-rc.d forbids it, and the test does not need it).
+if ! command -v prometheus >/dev/null 2>&1; then
+  echo "test.sh: installing prometheus" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus
+fi
 
 # torch is pinned so a CPU machine never pulls a multi-GB CUDA build; override with
 # EC_REDIS_TORCH (e.g. EC_REDIS_TORCH=torch) on a GPU machine.
@@ -43,10 +51,10 @@ rm -rf .venv/redis-py-floor
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
 .venv/bin/mypy
-# EC_REDIS_REQUIRE_*: a missing redis-server, valkey-server, vLLM or docker-compose fails the
-# run instead of skipping tests.
+# EC_REDIS_REQUIRE_*: a missing redis-server, valkey-server, vLLM, docker-compose or prometheus
+# fails the run instead of skipping tests.
 export EC_REDIS_REQUIRE_REDIS=1 EC_REDIS_REQUIRE_VALKEY=1 EC_REDIS_REQUIRE_VLLM=1 \
-  EC_REDIS_REQUIRE_COMPOSE=1
+  EC_REDIS_REQUIRE_COMPOSE=1 EC_REDIS_REQUIRE_PROMETHEUS=1
 .venv/bin/python -m pytest -p no:cacheprovider "$@"
 
 # Second run (the full suite only, i.e. without arguments): the Redis-facing tests again, on

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import pytest
 import redis
 import torch
 
+from ec_redis import TieredCache
 from ec_redis.embedded import FLAVORS, EmbeddedRedis, Flavor, ServerBinary
 
 HAS_SERVER: dict[Flavor, bool] = {
@@ -212,3 +214,21 @@ def paused(server: EmbeddedRedis) -> Iterator[None]:
         yield
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
+
+
+class BlockingSink:
+    """Stands in for the Redis write of a cache: records each key and blocks until released."""
+
+    def __init__(self, cache: TieredCache) -> None:
+        assert cache.redis is not None
+        self._real = cache.redis.put
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.keys: list[str] = []
+        cache.redis.put = self  # type: ignore[method-assign]
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> bool:
+        self.keys.append(key)
+        self.started.set()
+        assert self.release.wait(20), "test never released the sink"
+        return self._real(key, tensor)

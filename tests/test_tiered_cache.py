@@ -17,7 +17,7 @@ import torch
 from ec_redis import TensorError, TieredCache
 from ec_redis.breaker import CLOSED, CircuitBreaker
 from ec_redis.embedded import EmbeddedRedis, free_port
-from tests.conftest import bit_exact, embedding, paused, wait_for
+from tests.conftest import BlockingSink, bit_exact, embedding, paused, wait_for
 
 KiB = 1024
 
@@ -39,24 +39,6 @@ def stat(stats: dict[str, Any], *path: str) -> float:
     for part in path[:-1]:
         node = node[part]
     return float(node.get(path[-1], 0))
-
-
-class BlockingSink:
-    """Stands in for the Redis write of a cache: records each key and blocks until released."""
-
-    def __init__(self, cache: TieredCache) -> None:
-        assert cache.redis is not None
-        self._real = cache.redis.put
-        self.release = threading.Event()
-        self.started = threading.Event()
-        self.keys: list[str] = []
-        cache.redis.put = self  # type: ignore[method-assign]
-
-    def __call__(self, key: str, tensor: torch.Tensor) -> bool:
-        self.keys.append(key)
-        self.started.set()
-        assert self.release.wait(20), "test never released the sink"
-        return self._real(key, tensor)
 
 
 @pytest.fixture
@@ -267,6 +249,25 @@ def test_read_your_writes_before_the_write_lands(fake_cache: Callable[..., Tiere
     assert cache.flush(10)
     assert bit_exact(cache.get("queued"), second)  # now from Redis
     assert stat(cache.stats(), "redis", "hits") == 1
+
+
+def test_wait_written_waits_for_the_named_writes_and_no_others(
+    fake_cache: Callable[..., TieredCache],
+) -> None:
+    cache = fake_cache(cpu_cache_bytes=0)
+    sink = BlockingSink(cache)
+    cache.put("in-flight", kib_tensor(4, seed=0))
+    assert sink.started.wait(10)
+    cache.put("queued", kib_tensor(4, seed=1))
+    assert cache.wait_written(["in-flight"], 0.05) is False
+    assert cache.wait_written(["queued"], 0.05) is False
+    assert cache.wait_written(["never-put"], 0.05) is True  # nothing of it pending
+    releaser = threading.Timer(0.1, sink.release.set)
+    releaser.start()
+    assert cache.wait_written(["in-flight", "queued"], 10) is True
+    releaser.join()
+    assert cache.redis is not None
+    assert cache.redis.contains_many(["in-flight", "queued"]) == {"in-flight": True, "queued": True}
 
 
 def test_delete_also_cancels_a_pending_write(fake_cache: Callable[..., TieredCache]) -> None:

@@ -308,6 +308,11 @@ class TieredCache:
         """Wait for pending Redis writes; False if ``timeout_s`` passed first."""
         return self.writer.flush(timeout_s) if self.writer is not None else True
 
+    def wait_written(self, keys: Iterable[str], timeout_s: float) -> bool:
+        """Wait until the Redis writes of ``keys`` are done (stored, failed or dropped); False
+        if ``timeout_s`` passed first."""
+        return self.writer.wait_written(keys, timeout_s) if self.writer is not None else True
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Drain writes (bounded by ``timeout_s``), stop threads, release memory. Idempotent."""
         if self._closed:

@@ -418,6 +418,15 @@ class ConnectorOptions:
             "already published (then it encodes); 0: never held.",
         ),
     )
+    save_wait_s: float = field(
+        default=2.0,
+        metadata=_key(
+            _float_at_least(0.0),
+            "2.0",
+            "ec_producer: longest a step that saved items waits for their Redis writes, so "
+            "the encoder answers only once PD can find them (ec_both never waits); 0: never.",
+        ),
+    )
     trust_client_uuids: bool = field(
         default=False,
         metadata=_key(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ec_redis.logutil import RateLimitedLog
@@ -93,6 +93,20 @@ class BackgroundWriter:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._queue or self._in_flight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def wait_written(self, keys: Iterable[str], timeout_s: float) -> bool:
+        """Wait until none of ``keys`` is queued or being written (stored, failed or dropped);
+        False if ``timeout_s`` passed first. Waiting releases the GIL: the writer threads run
+        at full speed meanwhile."""
+        wanted = set(keys)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while any(key in self._queue or key in self._in_flight for key in wanted):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False

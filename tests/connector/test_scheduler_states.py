@@ -269,6 +269,59 @@ def test_one_bounded_wait_per_idle_step_and_none_when_work_is_scheduled() -> Non
     cache.open(100)
 
 
+def test_an_idle_step_waits_for_an_absent_item_too_and_a_pushed_lookup_ends_the_wait() -> None:
+    """A request held for an item not yet written has no lookup in flight: the idle step
+    still waits (at most lookup_wait_s) instead of letting the engine spin, which starved
+    the subscriber and lookup threads of the GIL; a lookup started by a push ends it."""
+
+    class Idle:
+        total_num_scheduled_tokens = 0
+
+    side, cache = make_side(lookup_wait_s=0.3, consumer_wait_s=60, recheck_s=30)
+    req = request("r1", ("late", 16))
+    stage(side, cache, req)  # looked once: absent, nothing in flight
+    assert side._stager.in_flight == 0
+    started = time.monotonic()
+    assert side.ensure_cache_available(req, 0) is False
+    side.build_connector_meta(Idle())
+    assert time.monotonic() - started >= 0.25  # waited, though no lookup was in flight
+
+    cache.stored["late"] = embedding(16, WIDTH)
+    cache.open()  # the lookup the push below starts returns at once
+    pushed = threading.Timer(0.05, side._stager.nudge, args=("late",))
+    started = time.monotonic()
+    assert side.ensure_cache_available(req, 0) is False
+    pushed.start()
+    side.build_connector_meta(Idle())
+    waited = time.monotonic() - started
+    pushed.join()
+    assert waited < 0.25, waited  # ended by the pushed lookup (~0.05 s), not the 0.3 s bound
+    assert side.ensure_cache_available(req, 0) is True and side.has_cache_item("late")
+
+
+def test_the_engine_steps_on_until_a_lookup_that_outlived_its_request_is_reported() -> None:
+    """vLLM reports stats only while it steps: an encoder's head check that returns after
+    its request was encoded and finished must still reach /metrics."""
+    side, cache = make_side("ec_producer", producer_check_wait_s=0.01)
+    req = request("r1", ("a", 16))
+    side.begin_report()
+    assert side.has_pending_push_work() is False
+    generation = side._stager.generation
+    assert side.ensure_cache_available(req, 0) is False  # the check runs (gate closed)
+    time.sleep(0.05)
+    assert side.ensure_cache_available(req, 0) is True  # too late to spare the encoder
+    side.request_finished(req)
+    side.begin_report()
+    assert side.take_observations() == {}
+    assert side.has_pending_push_work() is True  # the check is still in flight
+    cache.open()
+    settle(side, generation)
+    assert side.has_pending_push_work() is True  # returned, not yet reported
+    side.begin_report()
+    assert len(side.take_observations()["fetch_seconds"]) == 1
+    assert side.has_pending_push_work() is False  # reported: the engine may go idle
+
+
 def test_hooks_never_raise_on_broken_input() -> None:
     side, _ = make_side()
 

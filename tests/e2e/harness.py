@@ -152,6 +152,8 @@ SERVER_ENV = {
 # instead of 35 s and holds about 1.2 GB instead of 1.8 GB (the API server still runs its
 # own engine core).
 SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# vLLM's default layout, said explicitly (SERVER_ENV leaves it to vLLM, whose default it is).
+DEFAULT_LAYOUT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # The CPU-friendly engine flags of run_engine.DEFAULT_LLM_KWARGS, as server flags.
 SERVER_ARGS = [
     "--dtype", "bfloat16",

@@ -291,6 +291,8 @@ def bench(args: argparse.Namespace) -> int:
 def bench_connector(args: argparse.Namespace) -> int:
     if args.scheduler:
         return _bench_scheduler(args)
+    if args.visibility:
+        return _bench_visibility(args)
     rows = _bench_hooks(args, args.quick, args.runs)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
@@ -298,6 +300,23 @@ def bench_connector(args: argparse.Namespace) -> int:
         from ec_redis.connector.bench import render
 
         print(render(rows))
+    return 0
+
+
+def _bench_visibility(args: argparse.Namespace) -> int:
+    from ec_redis.bench.workload import QUICK_ITEMS
+
+    _vllm_logs_to_stderr()
+    try:
+        from ec_redis.connector import visibility_bench
+    except ImportError as exc:
+        raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
+    with _embedded_url(args) as url:
+        rows = visibility_bench.run(url, QUICK_ITEMS, args.runs, _err)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print(visibility_bench.render(rows))
     return 0
 
 

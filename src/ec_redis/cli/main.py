@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: what the scheduler hooks add to one step with 1/64/256 requests waiting",
     )
+    hooks.add_argument(
+        "--visibility",
+        action="store_true",
+        help="instead: save_caches -> has_cache_item latency, poll only vs push, next to a raw "
+        "SET+GET of the same bytes (1.8 and 16 MiB items)",
+    )
     hooks.add_argument("--steps", type=int, default=200, help="--scheduler: steps per size")
     fp = command("fingerprint", "the weights fingerprint a model path or hub id gets", "none")
     fp.add_argument("model", help="a checkpoint folder or file, or a hub id (as given to vLLM)")

@@ -27,6 +27,16 @@ from ec_redis.bench.workload import Item, activation_like
 HOOKS = ("save_caches", "visible_after_save", "has_cache_item", "alloc+meta", "start_load_caches")
 
 
+@dataclass(frozen=True)
+class IdleStep:
+    """What ``build_connector_meta`` gets from an engine step that scheduled nothing."""
+
+    total_num_scheduled_tokens: int = 0
+
+
+IDLE_STEP = IdleStep()
+
+
 def vllm_request(request_id: str, *items: tuple[str, int]) -> Any:
     """A real ``vllm.v1.request.Request`` (status WAITING, nothing computed) whose image
     items ``(identifier, num_embeds)`` sit one after another from token 4."""
@@ -147,9 +157,13 @@ def one_item(
         lambda: producer.save_caches(encoder_cache={mm_hash: tensor}, mm_hash=mm_hash)
     )
     saved = time.perf_counter()
+    # Step after step, as an engine would: a step whose only request is held schedules
+    # nothing, and its build_connector_meta does the connector's bounded idle wait (a loop
+    # spinning on ensure_cache_available alone would starve the lookup threads of the GIL).
     while not (scheduler.ensure_cache_available(req, 0) and scheduler.has_cache_item(mm_hash)):
         if time.perf_counter() - saved > 30:
             raise RuntimeError(f"{tag}: item never became loadable")
+        scheduler.build_connector_meta(IDLE_STEP)
     out["visible_after_save"] = time.perf_counter() - saved
     out["has_cache_item"] = _timed(lambda: scheduler.has_cache_item(mm_hash))
     start = time.perf_counter()

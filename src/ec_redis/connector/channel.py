@@ -8,11 +8,14 @@ observations in a small file on the host's tmpfs, and the scheduler half of the 
 exactly once, with the worker in the scheduler's process or not, under V1 and V2. The worker
 half's own ``get_ec_connector_stats`` therefore reports nothing.
 
-The file is replaced atomically (write, then rename) at the end of every step in which the
-worker half did something, so the scheduler half reads it in that step's output; a publisher
-thread also refreshes it every ``interval_s`` while something changed, so counters that move
-after the last step (a Redis write draining) still arrive (a producer keeps stepping until the
-queue depth it read says 0). The reader re-reads a file only when it changed.
+The file is replaced atomically (write, then rename). The worker half rewrites it at the end
+of every step in which something changed, before vLLM hands the step's output to the
+scheduler, which reads it while processing that output: a step's saves and loads are
+reported in the same step, even the last one before the engine goes idle. A publisher thread
+also refreshes it at most every ``interval_s`` while something changed, so counters that move
+after the last step (a Redis write draining) still arrive. The scheduler half acknowledges the
+observations it has read through the step metadata, and the worker half drops them, so the
+file stays small.
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 CHANNEL_PREFIX = "ec_redis-stats-"
-MAX_OBSERVATIONS = 256  # per publisher; older ones are dropped if nobody reads in time
-GLOB_EVERY_S = 1.0  # how often the reader looks for new publishers
+MAX_OBSERVATIONS = 1024  # per publisher; older ones are dropped if nobody reads in time
 
 
 def channel_key(engine_id: str, dp_rank: int) -> str:
@@ -55,6 +57,12 @@ class Observations:
         with self._lock:
             return list(self._items)
 
+    def trim(self, upto: int) -> None:
+        """Forget observations numbered ``upto`` or lower (the reader has them)."""
+        with self._lock:
+            while self._items and self._items[0][0] <= upto:
+                self._items.popleft()
+
 
 class Publisher:
     """The worker half's side: keeps ``<dir>/ec_redis-stats-<key>-<pid>-<nonce>.json``
@@ -67,18 +75,22 @@ class Publisher:
         snapshot: Callable[[], dict[str, Any]],
         interval_s: float = 0.25,
     ) -> None:
-        name = f"{CHANNEL_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}.json"
-        self.path = Path(directory) / name
+        self.name = f"{CHANNEL_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}.json"
+        self.path = Path(directory) / self.name
         self._snapshot = snapshot
         self._interval_s = interval_s
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # the step's publish and the thread's
+        self._lock = threading.Lock()  # the step's publish and the thread's share one file
+        self._closed = False
         self._last = ""
         self._thread = threading.Thread(target=self._run, name="ec_redis-stats", daemon=True)
         self._thread.start()
 
     def publish(self) -> None:
+        """Rewrite the file if the snapshot changed (a few tens of microseconds if not)."""
         with self._lock:
+            if self._closed:
+                return  # the file is gone for good
             text = json.dumps(self._snapshot(), separators=(",", ":"))
             if text == self._last:
                 return
@@ -98,53 +110,70 @@ class Publisher:
         """Stop and remove the file (the engine is going away: nothing reads it any more)."""
         self._stop.set()
         self._thread.join(5)
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        with self._lock:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
 
 class Reader:
     """The scheduler half's side: increments of every publisher of this engine since the
-    last read (counters as differences, observations not seen before)."""
+    last read (counters as differences, observations not seen before).
+
+    Cheap enough for every step: the folder is listed at most every ``rescan_s`` (a
+    publisher's file appears once, at start-up) and a file is read only when its inode, size
+    or mtime changed (each publish renames a new file into place), about 4 µs per file."""
 
     def __init__(
-        self, directory: str, key: str, clock: Callable[[], float] = time.monotonic
+        self,
+        directory: str,
+        key: str,
+        rescan_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._dir = Path(directory)
         self._pattern = f"{CHANNEL_PREFIX}{key}-*.json"
-        self._clock = clock
         remove_orphans(self._dir)
+        self._rescan_s = rescan_s
+        self._clock = clock
+        self._paths: list[Path] = []
+        self._next_scan = 0.0
+        self._stamps: dict[str, tuple[int, int, int]] = {}  # per file: as last read
         self._counters: dict[str, dict[str, float]] = {}  # per file: last cumulative values
         self._seen: dict[str, int] = {}  # per file: last observation number reported
-        self._versions: dict[Path, tuple[int, int]] = {}  # per file: (mtime_ns, size) read
-        self._steps: dict[Path, int] = {}  # per file: the last step it published
-        self._paths: list[Path] = []
-        self._next_glob = 0.0
 
-    def _publishers(self) -> list[Path]:
+    def _files(self) -> list[Path]:
         now = self._clock()
-        if now >= self._next_glob:
-            self._next_glob = now + GLOB_EVERY_S
+        if not self._paths or now >= self._next_scan:
             self._paths = sorted(self._dir.glob(self._pattern))
+            self._next_scan = now + self._rescan_s
         return self._paths
 
-    def take(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], int]:
-        """``(counter increments, gauges, new observations, step)``: ``step`` is the last
-        step whose counters a publisher has published (-1: none yet)."""
+    def _changed(self, path: Path) -> bool:
+        try:
+            stat = path.stat()
+        except OSError:
+            return False  # gone: the next scan forgets it
+        stamp = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if self._stamps.get(path.name) == stamp:
+            return False
+        self._stamps[path.name] = stamp
+        return True
+
+    def take(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
+        """``(counter increments, gauges, new observations)``."""
         increments: dict[str, float] = {}
         gauges: dict[str, float] = {}
         observed: dict[str, list[float]] = {}
-        for path in self._publishers():
+        for path in self._files():
+            if not self._changed(path):
+                continue
             try:
-                stat = path.stat()
-                version = (stat.st_mtime_ns, stat.st_size)
-                if self._versions.get(path) == version:
-                    continue  # unchanged since the last read
                 data = json.loads(path.read_text())
             except (OSError, ValueError):
-                continue  # replaced under us, or gone: the next read sees it
-            self._versions[path] = version
+                self._stamps.pop(path.name, None)  # replaced under us: read it again
+                continue
             name = path.name
-            self._steps[path] = int(data.get("step", -1))
             last = self._counters.setdefault(name, {})
             for counter, value in data.get("counters", {}).items():
                 change = value - last.get(counter, 0)
@@ -157,8 +186,12 @@ class Reader:
                 if seq > seen:
                     observed.setdefault(series, []).append(value)
                     self._seen[name] = max(self._seen.get(name, 0), seq)
-        step = max(self._steps.values(), default=-1)
-        return increments, gauges, observed, step
+        return increments, gauges, observed
+
+    def acks(self) -> dict[str, int]:
+        """Per publisher file: the last observation number read (sent back to the workers
+        in the step metadata, so they can drop what was read)."""
+        return dict(self._seen)
 
     def remove_all(self) -> None:
         for path in self._dir.glob(self._pattern):

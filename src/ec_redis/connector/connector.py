@@ -23,6 +23,7 @@ from ec_redis.config import parse_extra_config
 from ec_redis.connector import channel, shared, transport
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.ids import check_item_ids
+from ec_redis.connector.metadata import ECRedisMetadata
 from ec_redis.connector.reporting import Reporter
 from ec_redis.connector.scheduler import SchedulerSide
 from ec_redis.connector.stats import ECRedisPromMetrics, ECRedisStats
@@ -76,6 +77,8 @@ class ECRedisConnector(ECConnectorBase):
                 _rank_device(),
                 is_producer=self.is_producer,
                 saves=self.is_producer and speaks,
+                # Only a pure producer has consumers waiting for what it just encoded.
+                save_wait_s=options.save_wait_s if not self.is_consumer else 0.0,
             )
             if speaks:
                 self._publisher = channel.Publisher(stage_dir, key, self._worker.channel_snapshot)
@@ -109,13 +112,18 @@ class ECRedisConnector(ECConnectorBase):
         return None, None
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        """The end of every step (V1 and V2): after the step's saves have landed (a pure
+        producer waits for them), publish what the step did before vLLM hands its output to
+        the scheduler half, which reports it while processing that output."""
         if self._worker is None:
             return None
-        meta = self._worker.worker_meta(self._connector_metadata)  # marks the step as run
-        if self._publisher is not None and self._worker.changed:
-            self._worker.changed = False
-            self._publisher.publish()  # before this step's output reaches the scheduler
-        return meta
+        meta = self._connector_metadata
+        worker_meta = self._worker.worker_meta(meta)
+        if self._publisher is not None:
+            if isinstance(meta, ECRedisMetadata):
+                self._worker.forget_observations(meta.stats_ack.get(self._publisher.name, 0))
+            self._publisher.publish()
+        return worker_meta
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -133,7 +141,10 @@ class ECRedisConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None, "build_connector_meta is a scheduler-side hook"
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._reporter is not None:
+            meta.stats_ack = self._reporter.acks()
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:

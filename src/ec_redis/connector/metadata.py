@@ -33,6 +33,9 @@ class LoadItem:
 class ECRedisMetadata(ECConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
     step: int = -1  # the scheduler half's step number (acknowledged by the workers)
+    # Per stats-channel file: the last worker observation the scheduler half has reported
+    # (channel.py); the worker that publishes it drops those.
+    stats_ack: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What the scheduler half reports to vLLM each step: its own increments (lookups, staging,
 the read side of its cache) plus the worker halves' (saves, loads, the write side of their
-cache), read from the stats channel. Each increment is reported once."""
+cache), read from the stats channel at every step (vLLM asks while processing a step's
+output, after the workers published what the step did). Each increment is reported once."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Reporter:
 
     def take(self) -> dict[str, Any]:
         """Increments since the last call: counters, changed gauges, new observations."""
+        self._scheduler.begin_report()  # before reading anything a lookup may still change
         increments, observed = self._read_channel()
         data = self._deltas({**self._own(), **self._worker_gauges})
         for name, change in increments.items():
@@ -43,13 +45,15 @@ class Reporter:
         return out
 
     def _read_channel(self) -> tuple[dict[str, float], dict[str, list[float]]]:
-        increments, gauges, observed, step = self._reader.take()  # cheap when unchanged
+        increments, gauges, observed = self._reader.take()
         self._worker_gauges.update(gauges)
-        # has_pending_push_work keeps the engine stepping until this catches up.
-        self._scheduler.worker_reported_step = max(self._scheduler.worker_reported_step, step)
         for name, change in increments.items():
             self._worker_totals[name] = self._worker_totals.get(name, 0) + change
         return increments, observed
+
+    def acks(self) -> dict[str, int]:
+        """What the workers may forget (sent to them in the step metadata)."""
+        return self._reader.acks()
 
     def snapshot(self) -> dict[str, Any]:
         """Cumulative: this half's counters plus the worker halves' as last read."""

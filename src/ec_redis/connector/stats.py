@@ -41,6 +41,7 @@ COUNTERS: dict[str, str] = {
     "staged_files": "Fetched items staged as host-local files the worker processes read",
     "stage_inline_fallbacks": "Items staged inline (in the step metadata) because a file failed",
     "internal_errors": "Unexpected errors inside connector hooks (each fell back to encoding)",
+    "save_wait_timeouts": "Saved items not yet in Redis when their step's save_wait_s ran out",
 }
 GAUGES: dict[str, str] = {
     "breaker_state": "Redis circuit breaker: 0 closed, 1 open, 2 half-open",
@@ -96,10 +97,7 @@ class ECRedisStats(ECConnectorStats):
                     out[f"{key}_max"] = round(ordered[-1], 6)
             else:
                 out[key] = value
-        hits = sum(int(self.data.get(f"hits_{t}", 0)) for t in ("gpu", "cpu", "redis"))
-        lookups = hits + int(self.data.get("misses", 0))
-        if lookups:
-            out["hit_rate"] = round(hits / lookups, 4)
+        out.update(hit_rate(self.data))
         return out
 
     def is_empty(self) -> bool:
@@ -145,6 +143,19 @@ class ECRedisPromMetrics(ECConnectorPromMetrics):
             elif key in self._histograms and isinstance(value, list):
                 for observation in value:
                     self._histograms[key][engine_idx].observe(observation)
+
+
+def hit_rate(data: dict[str, Any]) -> dict[str, float]:
+    """``{"hit_rate": items served / items needed}``, or ``{}`` when nothing was needed.
+
+    Items needed = served (a hit in any tier) + encoded locally because the cache could not
+    provide them (``local_fallbacks``). Not ``misses``: a consumer waiting for an item looks
+    again every ``recheck_s``, and each look that finds nothing is a miss, so one item that
+    arrives after ten looks would count as one hit and ten misses. The dashboard's hit-rate
+    panels use the same ratio."""
+    hits = sum(float(data.get(f"hits_{tier}", 0)) for tier in ("gpu", "cpu", "redis"))
+    needed = hits + float(data.get("local_fallbacks", 0))
+    return {"hit_rate": round(hits / needed, 4)} if needed else {}
 
 
 def metric_names() -> list[str]:

@@ -60,16 +60,17 @@ class WorkerSide:
         *,
         is_producer: bool,
         saves: bool,
+        save_wait_s: float = 0.0,
     ) -> None:
         self._cache = cache
         self._device = device
         self._is_producer = is_producer
         self._saves = saves  # producer on the rank that publishes (TP rank 0)
+        self._save_wait_s = save_wait_s
+        self._step_saves: list[str] = []  # saved this step, awaited at its end
         self._published = _RecentSet()
-        self._ran_step = -1  # the last step this half finished (its counters include it)
         self.counters = Counters()
         self._observations = Observations()
-        self.changed = False  # since the last publish on the stats channel
         self._log = RateLimitedLog()
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Any) -> None:
@@ -115,9 +116,10 @@ class WorkerSide:
             stored = False
         if not stored:
             self.counters.inc("save_errors")
-            self.changed = True
             return
         self._published.add(mm_hash)
+        if self._save_wait_s > 0:
+            self._step_saves.append(mm_hash)
         nbytes = tensor_nbytes(tensor)
         self.counters.inc("saved_items")
         self.counters.inc("saved_bytes", nbytes)
@@ -134,33 +136,64 @@ class WorkerSide:
 
     def worker_meta(self, meta: Any) -> ECRedisWorkerMetadata:
         """Queued writes, and the step whose metadata this rank just ran (its loads are done,
-        so the scheduler half may drop their staged files)."""
+        so the scheduler half may drop their staged files). Called at the end of every step
+        (V1 and V2), after its saves: a pure producer first waits for them to land."""
+        self._await_step_saves()
         writer = self._cache.writer
         pending = writer.depth()[0] if writer is not None and self._saves else 0
         step = meta.step if isinstance(meta, ECRedisMetadata) else -1
-        self._ran_step = max(self._ran_step, step)  # vLLM calls this last in every step
         return ECRedisWorkerMetadata(pending, step)
+
+    def _await_step_saves(self) -> None:
+        """A pure producer's step ends once its saves are in Redis (at most ``save_wait_s``).
+
+        vLLM answers a request right after the step that encoded it, and an EPD proxy then
+        sends it to PD at once, so PD looks for the items at about the time this step ends.
+        Left to the writer thread alone, a write trailed the answer by up to 10 s in a busy
+        worker process (40 requests of 2 images at concurrency 8, two servers on two cores):
+        between steps vLLM's worker spins on its input queue and the writer thread gets the
+        GIL and a core only now and then, so PD gave up after ``consumer_wait_s`` and
+        encoded the items itself. Waiting here releases the GIL and blocks the main thread,
+        so the writer runs at full speed; the step takes one Redis write longer."""
+        if not self._step_saves:
+            return
+        keys, self._step_saves = self._step_saves, []
+        if self._cache.wait_written(keys, self._save_wait_s):
+            return
+        writer = self._cache.writer
+        late = sum(writer.pending(key) is not None for key in keys) if writer else 0
+        self.counters.inc("save_wait_timeouts", late)
+        self._log.warning(
+            "save-wait", "ec_redis: %d saved item(s) not in Redis after save_wait_s=%s; "
+            "the encoder answers before PD can find them", late, self._save_wait_s,
+        )  # fmt: skip
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.add(name, value)
-        self.changed = True
+
+    def forget_observations(self, upto: int) -> None:
+        """The scheduler half has reported observations up to number ``upto``."""
+        self._observations.trim(upto)
 
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counters (for tests and tools)."""
         return dict(self.counters.snapshot())
 
     def channel_snapshot(self) -> dict[str, Any]:
-        """What this half publishes for the scheduler half to report (``channel.py``): the
-        last step it finished, its cumulative counters (read after the step, so they include
-        that step's), its cache's write side when it saves, recent observations."""
-        step = self._ran_step
+        """What this half publishes for the scheduler half to report (``channel.py``): its
+        cumulative counters, its cache's write side when it saves, recent observations."""
+        # The queue depth before the counters: a write that lands in between is then counted
+        # and still shown queued (the next publish says 0), never done but not yet counted.
+        writer = self._cache.writer
+        depth = writer.depth()[0] if writer is not None and self._saves else None
         counters: dict[str, float] = dict(self.counters.snapshot())
         gauges: dict[str, float] = {}
         if self._saves:
             written, gauges = write_counters(self._cache.stats())
             counters.update(written)
+            if depth is not None:
+                gauges["write_queue_depth"] = depth
         return {
-            "step": step,
             "counters": counters,
             "gauges": gauges,
             "observations": self._observations.snapshot(),

@@ -1,0 +1,149 @@
+"""Push vs poll: how long after an encoder's ``save_caches`` returns a waiting PD scheduler
+half answers yes in ``has_cache_item``, next to a raw SET + GET of the same bytes.
+
+Per item size and mode, ``runs`` items go through ``bench.one_item``: the encoder's worker
+half saves (the Redis write runs on its writer thread), PD's scheduler half is asked step
+after step like an engine's (an idle step does the connector's bounded wait). Modes:
+
+- ``poll``: ``push_notifications`` off; a missing item is looked at again every
+  ``recheck_s`` (0.05 s, the default);
+- ``push``: the default; the writer announces each stored entry and the waiting consumer
+  fetches it at once (polling stays the fallback).
+
+Next to them, on the same server: ``raw SET+GET``, one redis-py SET of the tensor's bytes
+and one GET; ``write+read``, ec_redis's own Redis write of the item (chunks, then the head)
+and its read (heads, chunks, checksum), back to back: what a waiting consumer cannot beat.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ec_redis.bench.workload import Item, activation_like
+from ec_redis.connector.bench import build_connectors, one_item
+
+MODES: dict[str, dict[str, object]] = {
+    "poll": {"push_notifications": False, "recheck_s": 0.05},
+    "push": {"push_notifications": True},
+}
+
+
+@dataclass
+class VisibilityRow:
+    item: str
+    mib: float
+    mode: str  # "raw SET+GET", "write+read", "poll" or "push"
+    p50_ms: float
+    p99_ms: float
+
+
+def run(
+    redis_url: str, items: tuple[Item, ...], runs: int, progress: Callable[[str], None]
+) -> list[VisibilityRow]:
+    rows: list[VisibilityRow] = []
+    for item in items:
+        mib = item.nbytes / 2**20
+        progress(f"raw SET+GET: {item.label} ({mib:.1f} MiB) x{runs}")
+        rows.append(_row(item, "raw SET+GET", raw_set_get(redis_url, item, runs)))
+        progress(f"write+read: {item.label} ({mib:.1f} MiB) x{runs}")
+        rows.append(_row(item, "write+read", write_read(redis_url, item, runs)))
+        for mode, extra in MODES.items():
+            progress(f"{mode}: {item.label} ({mib:.1f} MiB) x{runs}")
+            rows.append(_row(item, mode, visible_after_save(redis_url, item, runs, mode, extra)))
+    return rows
+
+
+def visible_after_save(
+    redis_url: str, item: Item, runs: int, mode: str, extra: dict[str, object]
+) -> list[float]:
+    settings = {"redis_url": redis_url, "namespace": f"benchvis-{mode}", **extra}
+    producer, scheduler, worker = build_connectors("ECRedisConnector", settings, item.width)
+    try:
+        return [
+            one_item(producer, scheduler, worker, item, run, mode)["visible_after_save"]
+            for run in range(runs)
+        ]
+    finally:
+        for connector in (producer, scheduler, worker):
+            connector.shutdown()
+
+
+def raw_set_get(redis_url: str, item: Item, runs: int) -> list[float]:
+    """Seconds for one SET and one GET of the item's bytes with a plain redis-py client."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    out: list[float] = []
+    try:
+        for run in range(runs):
+            data = activation_like(item.rows, item.width, seed=run).view(torch.uint8)
+            value = data.numpy().tobytes()
+            key = f"benchvis-raw-{run}-{time.time_ns()}"
+            start = time.perf_counter()
+            client.set(key, value)
+            got = client.get(key)
+            out.append(time.perf_counter() - start)
+            if got != value:
+                raise RuntimeError("raw GET returned other bytes: refusing to report")
+            client.unlink(key)
+    finally:
+        client.close()
+    return out
+
+
+def write_read(redis_url: str, item: Item, runs: int) -> list[float]:
+    """Seconds for ec_redis's Redis write of the item, then its read, on one thread."""
+    from ec_redis.cache import TieredCache
+    from ec_redis.config import CacheConfig
+
+    config = CacheConfig(
+        redis_url=redis_url, namespace="benchvis-tier", cpu_cache_bytes=0, embed_width=item.width
+    )
+    out: list[float] = []
+    with TieredCache(config) as cache:
+        assert cache.redis is not None
+        for run in range(runs):
+            tensor = activation_like(item.rows, item.width, seed=run)
+            key = f"benchvis-{run}-{time.time_ns()}"
+            start = time.perf_counter()
+            stored = cache.redis.put(key, tensor)
+            got = cache.redis.get_many([key])[key]
+            out.append(time.perf_counter() - start)
+            if not stored or got is None or not torch.equal(got, tensor):
+                raise RuntimeError("the tier read back other bytes: refusing to report")
+            cache.redis.delete(key)
+    return out
+
+
+def _row(item: Item, mode: str, seconds: list[float]) -> VisibilityRow:
+    return VisibilityRow(
+        item.label, item.nbytes / 2**20, mode, _pct(seconds, 50) * 1e3, _pct(seconds, 99) * 1e3
+    )
+
+
+def _pct(values: list[float], pct: int) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]
+
+
+def render(rows: list[VisibilityRow]) -> str:
+    lines = [
+        "| item | MiB | raw SET+GET | ec_redis write+read | poll only | push "
+        "| push - write+read (p50) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_key = {(r.item, r.mode): r for r in rows}
+    for item in dict.fromkeys(r.item for r in rows):
+        raw, tier, poll, push = (
+            by_key[(item, m)] for m in ("raw SET+GET", "write+read", "poll", "push")
+        )
+        cells = " | ".join(f"{r.p50_ms:.1f} / {r.p99_ms:.1f}" for r in (raw, tier, poll, push))
+        lines.append(f"| {item} | {raw.mib:.2f} | {cells} | {push.p50_ms - tier.p50_ms:+.1f} |")
+    lines.append("\n(p50 / p99 ms; poll only, push: save_caches returned -> has_cache_item yes)")
+    return "\n".join(lines)
