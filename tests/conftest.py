@@ -153,6 +153,14 @@ def redis_url(redis_server: EmbeddedRedis) -> str:
 
 
 @pytest.fixture
+def raw(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain redis-py client on ``redis_url``, to look at (and tamper with) what was stored."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def private_redis(server_flavor: Flavor) -> Iterator[EmbeddedRedis]:
     """A real server of this test's own (and flavor), for tests that kill, pause or restart
     it."""

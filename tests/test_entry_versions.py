@@ -54,13 +54,6 @@ def bf16(rows: int, seed: int, width: int = 512) -> torch.Tensor:
 
 
 @pytest.fixture
-def raw(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def make_tier(redis_url: str) -> Iterator[Callable[..., RedisTier]]:
     made: list[RedisTier] = []
 

@@ -53,14 +53,6 @@ def assert_bit_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
 
 
 @pytest.fixture
-def raw(redis_url: str) -> Iterator[redis.Redis]:
-    """A plain redis-py client to look at (and tamper with) what the tier stored."""
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def make_tier(redis_url: str) -> Iterator[Callable[..., RedisTier]]:
     made: list[RedisTier] = []
 

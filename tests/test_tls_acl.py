@@ -25,7 +25,7 @@ import redis
 import torch
 
 from ec_redis import TieredCache
-from ec_redis.embedded import EmbeddedRedis, Flavor, ServerBinary, free_port
+from ec_redis.embedded import EmbeddedRedis, Flavor, ServerBinary, free_port, terminate
 from ec_redis.errors import ConfigError, RedisSetupError
 from tests.conftest import bits, embedding
 
@@ -154,13 +154,7 @@ class TlsServer:
         return f"rediss://127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        terminate(self.process)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

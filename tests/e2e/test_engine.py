@@ -15,6 +15,7 @@ import redis
 import torch
 
 from ec_redis.codec import decode_blob, encode_blob
+from ec_redis.codec.format import FORMAT_VERSION
 from tests.e2e.harness import image_request, requires_vllm, run_engine, run_engines
 
 pytestmark = [*requires_vllm, pytest.mark.redis]
@@ -55,7 +56,8 @@ def counters(result: dict[str, Any], side: str = "scheduler") -> dict[str, Any]:
 def item_key(url: str, marker: str) -> str:
     """The head key of the entry whose (escaped) item id contains ``marker``."""
     client = redis.Redis.from_url(url)
-    keys = [k.decode() for k in client.scan_iter("ecr:v1:*") if marker in k.decode()]
+    pattern = f"ecr:v{FORMAT_VERSION}:*"
+    keys = [k.decode() for k in client.scan_iter(pattern) if marker in k.decode()]
     client.close()
     assert len(keys) == 1, keys
     return keys[0]

@@ -14,7 +14,7 @@
 
 from ec_redis.embedded.binary import FLAVORS, Flavor, ServerBinary
 from ec_redis.embedded.cluster import CLUSTER_SLOTS, EmbeddedCluster
-from ec_redis.embedded.process import free_port
+from ec_redis.embedded.process import free_port, terminate
 from ec_redis.embedded.sentinel import EmbeddedSentinel
 from ec_redis.embedded.server import EmbeddedRedis
 
@@ -27,4 +27,5 @@ __all__ = [
     "Flavor",
     "ServerBinary",
     "free_port",
+    "terminate",
 ]

@@ -42,6 +42,18 @@ def call(port: int, *args: str | int, timeout_s: float = 2.0) -> Any:
         client.close()
 
 
+def terminate(process: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """Stop ``process``: SIGTERM, then SIGKILL when it is still running after ``grace_s``."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(grace_s)
+
+
 def check_owner(port: int, process: subprocess.Popen[bytes] | None) -> None:
     """Fail when the server answering on ``port`` is not ``process`` (a port race lost to
     another program that bound the "free" port first)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from ec_redis.embedded.binary import Flavor, ServerBinary
 from ec_redis.embedded.fake import FakeServer
-from ec_redis.embedded.process import call, check_owner, free_port, wait_for_port
+from ec_redis.embedded.process import call, check_owner, free_port, terminate, wait_for_port
 
 # Replicas sync at once (the default waits 5 s to batch replicas into one diskless sync).
 REPLICATION_ARGS = ("--repl-diskless-sync-delay", "0")
@@ -143,13 +143,8 @@ class EmbeddedRedis:
         if self._fake is not None:
             self._fake.stop()
             self._fake = None
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        if self.process is not None:
+            terminate(self.process)
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
