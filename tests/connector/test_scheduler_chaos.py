@@ -8,8 +8,8 @@ CPU tier and a tiny staging budget; then drains. Lookups run on background threa
 happens differs from run to run: only invariants are asserted, never outcomes.
 
 The connector's state comes from ``live_state()`` on its scheduler half (issue 8):
-``requests``, ``items``, ``staged_bytes``, ``reserved_bytes``, ``stage_bytes`` (the limit) and
-``max_item_bytes`` (largest item staged or reserved so far).
+``requests``, ``items``, ``staged_bytes``, ``reserved_bytes`` and ``stage_bytes`` (the limit,
+which staged plus reserved bytes never exceed).
 """
 
 from __future__ import annotations
@@ -45,13 +45,10 @@ SHAPE = EngineShape()
 WIDTH = 128  # the tiny LLaVA's hidden size
 ITEM_BYTES = NUM_IMAGE_TOKENS * WIDTH * 2  # one bf16 image embedding: 4 KiB
 STAGE_BYTES = 2 * ITEM_BYTES  # tiny staging: two items
-# live_state()["max_item_bytes"] may count some encoding overhead, but never grows without
-# limit: the staging bound below would mean nothing.
-MAX_ITEM_BYTES = 2 * ITEM_BYTES
 SEEDS = range(24)
 STATE_KEYS = (
     *("requests", "items", "staged_bytes", "reserved_bytes", "files"),  # zero once all end
-    *("stage_bytes", "max_item_bytes"),
+    "stage_bytes",
 )
 DRAIN_STEPS = 4000  # generous: a drain takes well under 500 steps
 EMPTY_STEP_SLEEP_S = 0.002  # a step that scheduled nothing lets background lookups run
@@ -123,15 +120,10 @@ class StateChecker:
         if state is None:
             return
         held = state["staged_bytes"] + state["reserved_bytes"]
-        bound = state["stage_bytes"] + state["max_item_bytes"]
-        if held > bound:
-            self.fail("bound", f"after {phase}: staged + reserved = {held} > {bound} ({state})")
-        if state["stage_bytes"] != STAGE_BYTES or state["max_item_bytes"] > MAX_ITEM_BYTES:
-            self.fail(
-                "limits",
-                f"after {phase}: stage_bytes must be the configured {STAGE_BYTES} and "
-                f"max_item_bytes at most {MAX_ITEM_BYTES} (items are {ITEM_BYTES}): {state}",
-            )
+        if state["stage_bytes"] != STAGE_BYTES:
+            self.fail("limits", f"after {phase}: stage_bytes is not the configured one: {state}")
+        if held > STAGE_BYTES:
+            self.fail("bound", f"after {phase}: staged + reserved = {held} > {STAGE_BYTES}")
 
     def read(self, where: str) -> dict[str, int] | None:
         if self._broken:

@@ -106,7 +106,7 @@ def test_fetch_stage_load_and_every_trace_goes() -> None:
     assert torch.equal(meta.loads[0].tensor, cache.stored["a"])
     assert side.live_state()["items"] == 0  # taken by the load: the entry died with it
     side.request_finished(req)
-    assert drained(side)
+    assert drained(side), side.live_state()
 
 
 def test_an_abort_while_staged_then_a_miss_never_crashes_the_scheduler() -> None:
@@ -117,7 +117,7 @@ def test_an_abort_while_staged_then_a_miss_never_crashes_the_scheduler() -> None
     stage(side, cache, first)
     assert side.ensure_cache_available(first, 0) is True
     side.request_finished(first)  # aborted while staged and validated
-    assert drained(side)
+    assert drained(side), side.live_state()
     del cache.stored["x"]  # evicted from Redis and the CPU tier
     second = request("r2", ("x", 16))
     stage(side, cache, second)
@@ -166,7 +166,7 @@ def test_preemption_restages_what_the_request_already_loaded() -> None:
     assert [load.mm_hash for load in loads] == ["a"]
     assert torch.equal(loads[0].tensor, cache.stored["a"])
     side.request_finished(req)
-    assert drained(side)
+    assert drained(side), side.live_state()
 
 
 def test_update_state_after_free_lets_go_of_the_item() -> None:
@@ -351,7 +351,7 @@ def test_a_failed_lookup_is_a_miss_and_the_table_drains() -> None:
     assert side.ensure_cache_available(req, 0) is True
     assert side.has_cache_item("a") is False
     side.request_finished(req)
-    assert drained(side)
+    assert drained(side), side.live_state()
 
 
 def test_request_scoped_ids_are_never_looked_up() -> None:
@@ -373,7 +373,7 @@ def test_request_records_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     cache.open(10)
 
 
-def test_staged_and_reserved_bytes_stay_within_one_item_of_the_budget() -> None:
+def test_staged_and_reserved_bytes_never_exceed_the_budget() -> None:
     item_bytes = 16 * WIDTH * 2
     side, cache = make_side(stage_bytes=3 * item_bytes + 1)
     reqs = [request(f"r{i}", (f"img-{i}", 16)) for i in range(12)]
@@ -381,15 +381,82 @@ def test_staged_and_reserved_bytes_stay_within_one_item_of_the_budget() -> None:
         cache.stored[f"img-{i}"] = embedding(16, WIDTH, seed=i)
         side.ensure_cache_available(req, 0)
         state = side.live_state()
-        assert state["staged_bytes"] + state["reserved_bytes"] <= 4 * item_bytes + 1
-    assert side.snapshot()["stage_full"] >= 8  # the rest were told to encode locally
+        assert state["staged_bytes"] + state["reserved_bytes"] <= 3 * item_bytes + 1
+    assert side.snapshot()["stage_full"] == 9  # the rest were told to encode locally
     cache.open(12)
     wait_for(lambda: side._stager.in_flight == 0, 10, "lookups to return")
     state = side.live_state()
-    assert state["reserved_bytes"] == 0 and state["staged_bytes"] <= 4 * item_bytes
+    assert state["reserved_bytes"] == 0 and state["staged_bytes"] == 3 * item_bytes
     for req in reqs:
         side.request_finished(req)
-    assert drained(side)
+    assert drained(side), side.live_state()
+
+
+def test_an_item_bigger_than_its_reservation_is_refused_when_it_would_overflow() -> None:
+    item_bytes = 16 * WIDTH * 2
+    side, cache = make_side(stage_bytes=item_bytes + item_bytes // 2)
+    cache.stored["big"] = embedding(32, WIDTH)  # twice the rows the request expects
+    req = request("r1", ("big", 16))
+    stage(side, cache, req)
+    assert side.live_state()["staged_bytes"] == 0
+    assert side.snapshot()["stage_overflow"] == 1
+    assert side.ensure_cache_available(req, 0) is True and side.has_cache_item("big") is False
+    side.request_finished(req)
+    assert drained(side), side.live_state()
+
+
+def test_a_lookup_racing_a_push_never_stages_an_item_twice() -> None:
+    """The gate saw ABSENT and asks again; a push's lookup staged the item meanwhile: the
+    second fetch joins the staged entry instead of restarting it over its bytes."""
+    side, cache = make_side(consumer_wait_s=60, recheck_s=0.0)
+    first = request("r1", ("late", 16))
+    stage(side, cache, first)  # absent
+    cache.stored["late"] = embedding(16, WIDTH)
+    generation = side._stager.generation
+    assert side._stager.nudge("late") is True
+    cache.open()
+    settle(side, generation)  # staged by the push
+    started, refused = side._stager.fetch([("late", "image", 16 * WIDTH * 2)], "r2")
+    assert (started, refused) == ([], [])  # joined, nothing started
+    assert side.live_state()["staged_bytes"] == 16 * WIDTH * 2
+    side.request_finished(first)
+    side._stager.release("late", "r2")  # what the gate's record of r2 would do at its end
+    assert drained(side), side.live_state()
+
+
+def test_a_failing_check_settles_the_whole_batch() -> None:
+    side, cache = make_side()
+    cache.stored["a"] = embedding(16, WIDTH)
+    req = request("r1", ("a", 16))
+
+    def broken(modality: str, found: Any) -> str | None:
+        raise ValueError("injected check failure")
+
+    side._stager._check = broken
+    stage(side, cache, req)
+    state = side.live_state()
+    assert state["lookups_in_flight"] == 0 and state["reserved_bytes"] == 0
+    assert side.snapshot()["lookup_errors"] == 1
+    assert side.ensure_cache_available(req, 0) is True  # absent, no wait: encode locally
+    side.request_finished(req)
+    assert drained(side), side.live_state()
+
+
+def test_a_yes_to_a_request_vllm_did_not_schedule_never_becomes_another_ones_load() -> None:
+    """Same id, different sizes (a reused client uuid): B's "no" is B's, whatever A got."""
+    side, cache = make_side()
+    cache.stored["u"] = embedding(16, WIDTH)
+    a, b = request("ra", ("u", 16)), request("rb", ("u", 24))
+    stage(side, cache, a)
+    assert side.ensure_cache_available(a, 0) is True
+    assert side.has_cache_item("u") is True  # ... but vLLM does not schedule A this step
+    assert side.ensure_cache_available(b, 0) is True
+    assert side.has_cache_item("u") is False  # 16 rows staged, B expects 24: encode
+    side.update_state_after_alloc(b, 0)  # vLLM allocates B's local encode
+    assert side.build_connector_meta(None).loads == []
+    for req in (a, b):
+        side.request_finished(req)
+    assert drained(side), side.live_state()
 
 
 def test_a_producer_answers_from_the_head_and_never_holds_past_its_deadline() -> None:
@@ -407,7 +474,7 @@ def test_a_producer_answers_from_the_head_and_never_holds_past_its_deadline() ->
     side.update_state_after_alloc(req, 0)
     assert side.build_connector_meta(None).loads == []  # nothing to load on a producer
     side.request_finished(req)
-    assert drained(side)
+    assert drained(side), side.live_state()
 
 
 def test_an_announcement_refetches_an_awaited_item_at_once() -> None:

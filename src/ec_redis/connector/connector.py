@@ -143,7 +143,10 @@ class ECRedisConnector(ECConnectorBase):
         assert self._scheduler is not None, "build_connector_meta is a scheduler-side hook"
         meta = self._scheduler.build_connector_meta(scheduler_output)
         if self._reporter is not None:
-            meta.stats_ack = self._reporter.acks()
+            try:
+                meta.stats_ack = self._reporter.acks()
+            except Exception as exc:  # workers then simply keep their observations longer
+                self._scheduler.internal_error("build_connector_meta", exc)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -173,7 +176,12 @@ class ECRedisConnector(ECConnectorBase):
         V1 (which never asks a worker) and V2 (which does) count everything exactly once."""
         if self._reporter is None:
             return None
-        data = self._reporter.take()
+        try:
+            data = self._reporter.take()
+        except Exception as exc:
+            if self._scheduler is not None:
+                self._scheduler.internal_error("get_ec_connector_stats", exc)
+            return None
         return ECRedisStats(data=data) if data else None
 
     def live_state(self) -> dict[str, int]:

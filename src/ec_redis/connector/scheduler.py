@@ -140,14 +140,17 @@ class SchedulerSide:
         try:
             return self._gate.ready(request, num_computed_tokens)
         except Exception as exc:
-            self._internal_error("ensure_cache_available", exc)
+            self.internal_error("ensure_cache_available", exc)
             return True  # let vLLM encode whatever we cannot vouch for
 
     def has_cache_item(self, identifier: str) -> bool:
+        # Only this answer may become this request's load: one given to another request this
+        # step (which vLLM then did not schedule) must not stand in for a "no" now.
+        self._answers.pop(identifier, None)
         try:
             found = self._answer(identifier)
         except Exception as exc:
-            self._internal_error("has_cache_item", exc)
+            self.internal_error("has_cache_item", exc)
             found = None
         if found is None:
             if self._is_consumer:
@@ -192,12 +195,16 @@ class SchedulerSide:
             if found is None:
                 return  # encoded locally
             if self._is_consumer and found.loadable:
-                self._loads[item] = self._transport.load(item, found, self._step)  # the promise
                 if request.get_num_encoder_embeds(index) != found.rows:
-                    self.counters.inc("promise_mismatches")  # unreachable by construction
+                    # vLLM asked about another request's item than the one it allocates:
+                    # never load a tensor of the wrong size (vLLM encodes; we said yes to
+                    # a request it did not schedule). Unreachable through vLLM's Scheduler.
+                    self.counters.inc("promise_mismatches")
+                    return
+                self._loads[item] = self._transport.load(item, found, self._step)  # the promise
             self._gate.let_go(request.request_id, item)
         except Exception as exc:
-            self._internal_error("update_state_after_alloc", exc)
+            self.internal_error("update_state_after_alloc", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECRedisMetadata:
         meta = ECRedisMetadata(loads=list(self._loads.values()), step=self._step)
@@ -208,7 +215,7 @@ class SchedulerSide:
                 self._wait_for_lookups()
             self._housekeeping()
         except Exception as exc:
-            self._internal_error("build_connector_meta", exc)
+            self.internal_error("build_connector_meta", exc)
         self._step_start, self._gate.held_this_step = None, False
         return meta
 
@@ -243,11 +250,15 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
-        if isinstance(meta, ECRedisWorkerMetadata):
+        if not isinstance(meta, ECRedisWorkerMetadata):
+            return
+        try:
             self._pending_writes = meta.pending_writes
             self._pending_reported_at = self._clock()
             if meta.loaded_step >= 0:
                 self._transport.step_done(meta.loaded_step)  # every rank ran those loads
+        except Exception as exc:
+            self.internal_error("update_connector_output", exc)
 
     def begin_report(self) -> None:
         """The stats vLLM is about to get include every lookup returned by now."""
@@ -255,6 +266,13 @@ class SchedulerSide:
         self._reported_at = self._clock()
 
     def has_pending_push_work(self) -> bool:
+        try:
+            return self._pending_push_work()
+        except Exception as exc:
+            self.internal_error("has_pending_push_work", exc)
+            return False
+
+    def _pending_push_work(self) -> bool:
         """Keep the engine stepping while something it did is still to be reported: a
         lookup in flight or returned since the last report (an encoder's head check can
         return after its request was encoded and finished; vLLM reports only while it
@@ -280,13 +298,17 @@ class SchedulerSide:
         return self._pending_writes > 0 and fresh
 
     def take_unavailable_requests(self) -> set[str]:
-        return self._gate.take_unavailable()
+        try:
+            return self._gate.take_unavailable()
+        except Exception as exc:
+            self.internal_error("take_unavailable_requests", exc)
+            return set()
 
     def update_state_after_free(self, request: Any, index: int) -> None:
         try:
             self._gate.let_go(request.request_id, request.mm_features[index].identifier)
         except Exception as exc:
-            self._internal_error("update_state_after_free", exc)
+            self.internal_error("update_state_after_free", exc)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         try:
@@ -294,12 +316,13 @@ class SchedulerSide:
             if self._current is request:
                 self._current = None
         except Exception as exc:
-            self._internal_error("request_finished", exc)
+            self.internal_error("request_finished", exc)
         return False, None
 
     # -- introspection -------------------------------------------------------------------------
 
-    def _internal_error(self, hook: str, exc: Exception) -> None:
+    def internal_error(self, hook: str, exc: Exception) -> None:
+        """A hook failed inside ec_redis: count it, log it (rate-limited), never raise."""
         self.counters.inc("internal_errors")
         self._log.warning(
             "internal-" + hook, "ec_redis: %s failed (%r); falling back to local encoding",

@@ -11,12 +11,14 @@ An entry's life::
 It dies when the last request that wants it lets go (loaded, freed, finished, aborted), or
 after ``idle_ttl_s`` untouched (a safety net, never the mechanism). A lookup in flight keeps
 its reservation until it returns, even if nobody wants the result any more: the bytes are
-being allocated by then. Staged plus reserved bytes never exceed ``stage_bytes`` by more
-than one item, and the table never holds more than ``max_items`` entries.
+being allocated by then. Staged plus reserved bytes never exceed ``stage_bytes`` (an item
+larger than the whole budget is never staged: it is encoded locally), and the table never
+holds more than ``max_items`` entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -114,7 +116,6 @@ class Stager:
         self._on_fetch = on_fetch
         self.staged_bytes = 0
         self.reserved_bytes = 0
-        self.max_item_bytes = 0  # largest item staged or reserved so far
         self.in_flight = 0  # lookups submitted and not yet returned
         # Bumped whenever a lookup returns: a held request whose answer cannot have changed
         # since it last looked is answered without walking its items again.
@@ -149,34 +150,39 @@ class Stager:
                 return [], [item for item, _, _ in wanted]
             for item, modality, reserve in wanted:
                 entry = self._entries.get(item)
-                if entry is not None and entry.state == FETCHING:
+                if entry is not None and entry.state != ABSENT:
+                    # on its way, or settled since the caller looked (a push's lookup)
                     entry.wanted_by.add(request_id)
-                    continue  # already on its way
-                if not self._has_room_locked(entry is None):
+                    entry.touched = now
+                    continue
+                if not self._has_room_locked(entry is None, reserve):
                     refused.append(item)
                     self.counters.inc("stage_full")
                     continue
                 if entry is None:
                     entry = Entry(item, modality, FETCHING, now, now)
                     self._entries[item] = entry
-                else:  # ABSENT (or REFUSED) again: look once more
-                    entry.state, entry.since, entry.found = FETCHING, now, None
+                else:  # ABSENT (it holds no bytes): look once more
+                    entry.state, entry.since = FETCHING, now
                 entry.touched = now
                 entry.reserved = entry.estimate = reserve
                 entry.wanted_by.add(request_id)
                 self.reserved_bytes += reserve
-                self.max_item_bytes = max(self.max_item_bytes, reserve)
                 started.append(item)
             if started:
                 self.in_flight += 1
         if started:
-            self._pool.submit(self._run, started)
+            self._submit(started)
         return started, refused
 
-    def _has_room_locked(self, new_entry: bool) -> bool:
+    def _has_room_locked(self, new_entry: bool, reserve: int) -> bool:
         if new_entry and len(self._entries) >= self.max_items:
             return False
-        return self.staged_bytes + self.reserved_bytes < self.stage_bytes
+        return self.staged_bytes + self.reserved_bytes + reserve <= self.stage_bytes
+
+    def _submit(self, batch: list[str]) -> None:
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: close() dropped them all
+            self._pool.submit(self._run, batch)
 
     def nudge(self, item: str) -> bool:
         """A writer announced ``item``: if a request waits for it (ABSENT), look again now
@@ -191,13 +197,13 @@ class Stager:
                 return False
             if entry.state != ABSENT:
                 return False
-            if not self._has_room_locked(False):
+            if not self._has_room_locked(False, entry.estimate):
                 return False  # the next recheck tries again
             entry.state, entry.since, entry.reserved = FETCHING, now, entry.estimate
             self.reserved_bytes += entry.estimate
             self.in_flight += 1
         self.counters.inc("nudged")
-        self._pool.submit(self._run, [item])
+        self._submit([item])
         return True
 
     def release(self, item: str, request_id: str) -> None:
@@ -215,13 +221,13 @@ class Stager:
         started = time.perf_counter()
         try:
             found: Mapping[str, Found | None] = self._lookup(batch)
-        except Exception as exc:  # a lookup thread must never die silently
+            if self._on_fetch is not None:
+                self._on_fetch(time.perf_counter() - started)
+            problems = {item: self._problem(item, r) for item, r in found.items() if r}
+        except Exception as exc:  # every entry of the batch must settle, whatever failed
             self.counters.inc("lookup_errors")
             self._log.warning("stage", "ec_redis: lookup failed: %r", exc)
-            found = {}
-        if self._on_fetch is not None:
-            self._on_fetch(time.perf_counter() - started)
-        problems = {item: self._problem(item, result) for item, result in found.items() if result}
+            found, problems = {}, {}
         kept = {
             item: self._kept(result)
             for item, result in found.items()
@@ -261,7 +267,7 @@ class Stager:
             self._free(result)
         if again:
             self.counters.inc("nudged", len(again))
-            self._pool.submit(self._run, again)
+            self._submit(again)
 
     def _kept(self, result: Found) -> Found:
         if self._keep is None:
@@ -289,7 +295,7 @@ class Stager:
         """Move a FETCHING entry to its next state; True if it now holds ``result``."""
         entry.announced = False
         self.reserved_bytes -= entry.reserved
-        reserved, entry.reserved, entry.since = entry.reserved, 0, now
+        entry.reserved, entry.since = 0, now
         if not entry.wanted_by:  # every request that wanted it ended meanwhile
             del self._entries[entry.item]
             return False
@@ -304,14 +310,12 @@ class Stager:
             )
             return False
         size = result.nbytes
-        bound = self.stage_bytes + max(self.max_item_bytes, size)
-        if size > reserved and self.staged_bytes + self.reserved_bytes + size > bound:
-            entry.state = REFUSED  # bigger than reserved and no room for the difference
+        if self.staged_bytes + self.reserved_bytes + size > self.stage_bytes:
+            entry.state = REFUSED  # bigger than its reservation, and no room for the rest
             self.counters.inc("stage_overflow")
             return False
         entry.state, entry.found = STAGED, result
         self.staged_bytes += size
-        self.max_item_bytes = max(self.max_item_bytes, size)
         return True
 
     def wait(self, generation: int, deadline: float) -> None:
@@ -324,11 +328,7 @@ class Stager:
                     return
                 self._changed.wait(remaining)
 
-    # -- loads ----------------------------------------------------------------------------
-
-    def take(self, item: str, request_id: str) -> None:
-        """``request_id`` loaded ``item``: it no longer wants it (the load holds the tensor)."""
-        self.release(item, request_id)
+    # -- housekeeping ---------------------------------------------------------------------
 
     def expire(self) -> None:
         """Drop entries nobody touched for ``idle_ttl_s`` (a request vLLM never finished)."""
@@ -359,7 +359,6 @@ class Stager:
                 "staged_bytes": self.staged_bytes,
                 "reserved_bytes": self.reserved_bytes,
                 "stage_bytes": self.stage_bytes,
-                "max_item_bytes": self.max_item_bytes,
                 "lookups_in_flight": self.in_flight,
             }
 
