@@ -26,7 +26,8 @@ import redis
 import torch
 from redis.crc import key_slot
 
-from ec_redis.codec import read_header
+from ec_redis.codec import encode_parts, read_header
+from ec_redis.codec.format import new_write_id
 from ec_redis.config import CacheConfig
 from ec_redis.embedded import EmbeddedCluster
 from ec_redis.keys import KeyBuilder, ModelIdentity
@@ -396,6 +397,50 @@ def test_a_reader_meeting_a_bad_version_deletes_nothing_newer(
     assert len(v2_keys) == 6 and v2_keys.isdisjoint(v1_chunks)
     assert {raw.pttl(k) for k in v2_keys} == {-1}
     assert bit_exact(reader.get("item"), v2)
+
+
+class _LostReplies:
+    """A client whose every script call (outside a pipeline) runs twice on the server and
+    answers with the second reply: what a lost reply plus redis-py's retry does."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+
+    def pipeline(self, **kwargs: Any) -> Any:
+        return self._client.pipeline(**kwargs)
+
+    def execute_command(self, *args: Any) -> Any:
+        if args[0] in ("EVAL", "EVALSHA"):
+            self._client.execute_command(*args)  # switched in; the reply never arrives
+        return self._client.execute_command(*args)
+
+    def unlink(self, *keys: str) -> Any:
+        return self._client.unlink(*keys)
+
+
+@pytest.mark.parametrize("case", ["replacing-a-version", "script-unknown"])
+def test_a_swap_retried_after_its_reply_was_lost_keeps_the_entry_whole(
+    make_tier: Callable[..., RedisTier], raw: redis.Redis, case: str
+) -> None:
+    """The retried swap finds its own write current: "stored", the entry whole and without a
+    TTL, not another writer's version whose chunks it then unlinks."""
+    tier = make_tier()
+    if case == "replacing-a-version":
+        assert tier.put("item", bf16(400, seed=20))  # a second round goes outside the pipeline
+    else:
+        raw.script_flush()  # the pipelined EVALSHA fails: EVAL goes outside the pipeline
+    head = KEYS.head("item")
+    tensor = bf16(300, seed=21)
+    parts = encode_parts(tensor, part_bytes=CHUNK, write_id=(write_id := new_write_id()))
+    client = _LostReplies(raw)
+    outcome = entry_ops.write_entry(client, head, parts, write_id, None, int(GRACE_S * 1000))
+    assert outcome == entry_ops.STORED
+    current = named(raw, head)
+    assert len(current) == len(parts)  # the head and every chunk it names
+    assert set(pttls(raw, current).values()) == {-1}
+    time.sleep(GRACE_S + 0.5)
+    assert bit_exact(tier.get("item"), tensor)
+    assert tier.stats().get("bad_blobs", 0) == 0
 
 
 def test_compare_and_delete_takes_only_the_version_it_was_given(

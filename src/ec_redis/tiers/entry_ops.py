@@ -49,35 +49,36 @@ def write_entry(
     # and the next round retires that head's chunks.
     expected: bytes = b""
     retired: list[str] = []
-    args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce]
+    own_head = bytes(parts[0][:HEADER_SIZE])  # unique: it holds this write's id
+    args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce, own_head]
     pipe = client.pipeline(transaction=False)
     for key, part in zip(new_chunks, parts[1:], strict=True):
         pipe.set(key, part, px=grace_ms)
     pipe.set(pending, parts[0], px=grace_ms)
     pipe.execute_command(*SWAP.command([head_key, *written], args))
     *stored, reply = pipe.execute(raise_on_error=False)
-    try:
-        refused = [r for r in stored if isinstance(r, Exception)]
-        if refused:  # e.g. OOM: the script found a key missing and switched nothing
-            raise refused[0]
-        if is_noscript(reply):  # the server does not know the script yet
-            reply = SWAP.eval(client, [head_key, *written], args)
-        elif isinstance(reply, Exception):
-            raise reply
-        attempts = 1
-        while int(reply[0]) == CONFLICT_REPLY and attempts < ATTEMPTS:
-            # a chunked version is current (or another writer switched the entry since we
-            # looked): retire that version's chunks instead
-            expected, retired = replaced(head_key, reply[1], int(reply[2]))
-            retired = [k for k in retired if k not in new_chunks]
-            args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce]
-            reply = SWAP.run(client, [head_key, *written, *retired], args)
-            attempts += 1
-        if int(reply[0]) == SWAPPED:
-            return STORED
-    except BaseException:
+    refused = [r for r in stored if isinstance(r, Exception)]
+    if refused:  # e.g. OOM: the script found a key missing and switched nothing
         drop(client, written)
-        raise
+        raise refused[0]
+    # From here a call that raises may have switched the entry in before its reply was lost:
+    # the write's keys are left to their grace TTL (a retried call answers SWAPPED, as the
+    # script sees its own head).
+    if is_noscript(reply):  # the server does not know the script yet
+        reply = SWAP.eval(client, [head_key, *written], args)
+    elif isinstance(reply, Exception):
+        raise reply
+    attempts = 1
+    while int(reply[0]) == CONFLICT_REPLY and attempts < ATTEMPTS:
+        # a chunked version is current (or another writer switched the entry since we
+        # looked): retire that version's chunks instead
+        expected, retired = replaced(head_key, reply[1], int(reply[2]))
+        retired = [k for k in retired if k not in new_chunks]
+        args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce, own_head]
+        reply = SWAP.run(client, [head_key, *written, *retired], args)
+        attempts += 1
+    if int(reply[0]) == SWAPPED:
+        return STORED
     drop(client, written)  # never named by the head: nobody can be reading them
     return INCOMPLETE_WRITE if int(reply[0]) == INCOMPLETE else CONFLICT
 

@@ -42,7 +42,11 @@ end
 # Make a complete write the entry's current version. KEYS: head, the write's pending head,
 # its n chunks, then the chunks of the version it replaces. ARGV: the head's first bytes as
 # the writer saw them ("": any head without chunks), n, the entry's TTL in ms (0: none), the
-# grace in ms, the channel to announce the entry on ("": none) and the message. The new head
+# grace in ms, the channel to announce the entry on ("": none), the message, and the write's
+# own head's first bytes: a head that already equals them means this very write was switched
+# in by an earlier run whose reply was lost (redis-py then retried the call, which may have
+# stored the write's keys again under the grace TTL), so the switch's TTLs are applied again
+# and it answers SWAPPED. The new head
 # value arrives by RENAME, not as an argument: a megabyte ARGV costs Redis milliseconds of Lua
 # string handling, a RENAME nothing. The replaced chunks get the grace TTL, not an UNLINK: a
 # reader may be fetching them right now. The announcement goes out in the same atomic step
@@ -53,18 +57,26 @@ _SWAP = (
 local chunked = string.sub(seen, 1, 6) == {_lua_bytes(MAGIC_VERSION)}
   and #seen >= {PART_BYTES_AT + 8}
   and string.sub(seen, {PART_BYTES_AT + 1}, {PART_BYTES_AT + 8}) ~= {_lua_bytes(bytes(8))}
-if (ARGV[1] == '' and chunked) or (ARGV[1] ~= '' and seen ~= ARGV[1]) then return changed() end
 local n = tonumber(ARGV[2])
+local ttl = tonumber(ARGV[3])
+local function keep(first, last)
+  for i = first, last do
+    if i ~= 2 then
+      if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
+    end
+  end
+end
+if seen == ARGV[7] then
+  redis.call('UNLINK', KEYS[2])
+  keep(1, n + 2)
+  return {{{SWAPPED}}}
+end
+if (ARGV[1] == '' and chunked) or (ARGV[1] ~= '' and seen ~= ARGV[1]) then return changed() end
 for i = 2, n + 2 do
   if redis.call('EXISTS', KEYS[i]) == 0 then return {{{INCOMPLETE}, i - 2}} end
 end
 redis.call('RENAME', KEYS[2], KEYS[1])
-local ttl = tonumber(ARGV[3])
-for i = 1, n + 2 do
-  if i ~= 2 then
-    if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
-  end
-end
+keep(1, n + 2)
 for i = n + 3, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 if ARGV[5] ~= '' then redis.pcall('PUBLISH', ARGV[5], ARGV[6]) end
 return {{{SWAPPED}}}
