@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from ec_redis.connector import owners
 from ec_redis.connector import transport as module
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata
 from ec_redis.connector.staging import Found
@@ -29,7 +30,10 @@ def found(rows: int, width: int = 128, seed: int = 0) -> Found:
 
 
 def files(directory: Path) -> list[Path]:
-    return sorted(directory.glob(f"{module.FILE_PREFIX}*"))
+    """Staged item files (not the owner locks of the transports that made them)."""
+    return sorted(
+        p for p in directory.glob(f"{module.FILE_PREFIX}*") if p.suffix != owners.LOCK_SUFFIX
+    )
 
 
 def test_a_staged_file_holds_the_bytes_and_any_rank_reads_them(tmp_path: Path) -> None:
@@ -97,15 +101,39 @@ def test_a_full_tmpfs_falls_back_to_inline(tmp_path: Path, monkeypatch: pytest.M
     assert transport.counters.snapshot()["stage_inline_fallbacks"] == 2
 
 
-def test_files_of_dead_processes_are_removed_at_start(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    orphan = tmp_path / f"{module.FILE_PREFIX}{int(dead.stdout)}-abcd-0"
-    mine = tmp_path / f"{module.FILE_PREFIX}{os.getpid()}-abcd-0"
-    orphan.write_bytes(b"x")
-    mine.write_bytes(b"x")
-    FileTransport(str(tmp_path))
-    assert files(tmp_path) == [mine]
+def test_only_files_whose_owner_is_gone_are_removed_at_start(tmp_path: Path) -> None:
+    """Ownership is a held lock, not a pid: a live owner in another process (whose pid may
+    mean nothing here, e.g. another container sharing /dev/shm) keeps its files; a dead
+    owner's files go even when its pid was reused by a live process (here: ours)."""
+    code = (
+        "import sys, time; from pathlib import Path; from ec_redis.connector.owners import Owner\n"
+        "owner = Owner(Path(sys.argv[1]), sys.argv[2]); print(owner.stem, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path), module.FILE_PREFIX],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        live = tmp_path / f"{holder.stdout.readline().strip()}-0"
+        dead_stem = f"{module.FILE_PREFIX}{os.getpid()}-0badf00d"  # a live pid, a free lock
+        (tmp_path / f"{dead_stem}{owners.LOCK_SUFFIX}").write_bytes(b"")
+        dead = tmp_path / f"{dead_stem}-0"
+        lockless = tmp_path / f"{module.FILE_PREFIX}1-0000abcd-0"
+        for path in (live, dead, lockless):
+            path.write_bytes(b"x")
+        transport = FileTransport(str(tmp_path))
+        assert files(tmp_path) == [live]
+        assert not (tmp_path / f"{dead_stem}{owners.LOCK_SUFFIX}").exists()
+        transport.close()  # its own lock goes with it
+        locks = sorted(p.name for p in tmp_path.glob(f"*{owners.LOCK_SUFFIX}"))
+        assert locks == [f"{live.name[:-2]}{owners.LOCK_SUFFIX}"]
+    finally:
+        holder.kill()
+        holder.wait()
+    FileTransport(str(tmp_path)).close()  # the holder is dead now: its file goes too
+    assert files(tmp_path) == [] and not list(tmp_path.iterdir())
 
 
 def test_step_metadata_stays_under_4_kib_for_16_and_150_mib_items(tmp_path: Path) -> None:
@@ -164,3 +192,32 @@ def test_the_connector_loads_through_files_and_leaves_none_behind(
     scheduler.request_finished(req)
     assert files(tmp_path) == []
     assert scheduler.live_state()["staged_bytes"] == 0
+
+
+def test_a_stats_channel_of_a_dead_publisher_is_swept_and_a_live_ones_is_kept(
+    tmp_path: Path,
+) -> None:
+    from ec_redis.connector import channel
+
+    key = channel.channel_key("engine-a", 0)
+    live = channel.Publisher(str(tmp_path), key, lambda: {"counters": {"saved_items": 1}})
+    live.publish()
+    dead_stem = f"{channel.CHANNEL_PREFIX}{key}-{os.getpid()}-0badf00d"
+    (tmp_path / f"{dead_stem}{owners.LOCK_SUFFIX}").write_bytes(b"")
+    for suffix in (".json", ".tmp"):  # a publisher killed mid-write leaves its .tmp too
+        (tmp_path / f"{dead_stem}{suffix}").write_text("{}")
+    channel.Reader(str(tmp_path), key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [live.name, f"{live.name[: -len('.json')]}{owners.LOCK_SUFFIX}"]
+    )
+    live.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_ids_that_differ_anywhere_get_different_channels() -> None:
+    from ec_redis.connector.channel import channel_key
+
+    long_id = "x" * 100
+    assert channel_key("a.b", 0) != channel_key("a_b", 0)
+    assert channel_key(long_id + "1", 0) != channel_key(long_id + "2", 0)
+    assert channel_key("a", 0) != channel_key("a", 1)

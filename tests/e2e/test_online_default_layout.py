@@ -24,6 +24,7 @@ import pytest
 import redis
 import requests
 
+from ec_redis.connector.owners import LOCK_SUFFIX
 from ec_redis.connector.transport import FILE_PREFIX, default_directory
 from ec_redis.embedded import EmbeddedRedis, free_port
 from tests.e2e.harness import (
@@ -65,8 +66,10 @@ def images_encoded(server: ApiServer) -> list[int]:
     return [int(n) for n in rpc(server, "ec_redis_images_encoded")]
 
 
-def stage_files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.glob(f"{FILE_PREFIX}*"))
+def stage_files(directory: Path, owners: bool = False) -> list[str]:
+    """Staged item files (``owners``: also the lock files of the processes that own them)."""
+    names = sorted(p.name for p in directory.glob(f"{FILE_PREFIX}*"))
+    return names if owners else [n for n in names if not n.endswith(LOCK_SUFFIX)]
 
 
 @pytest.fixture
@@ -153,6 +156,6 @@ def test_encoder_and_pd_in_the_default_layout_match_the_baseline(
     finally:
         stop_servers(servers)
         store.close()
-    # ... nor after they stopped.
-    assert stage_files(stage_dir) == []
+    # ... nor after they stopped (nor their owners' locks).
+    assert stage_files(stage_dir, owners=True) == []
     print(f"wall time: {time.monotonic() - started_at:.1f} s")

@@ -129,5 +129,6 @@ def test_a_tp2_consumer_loads_from_redis_and_matches_its_tp2_baseline(
     for load in loads:
         assert load["item_bytes"] == ITEM_BYTES and not load["inline"]
         assert Path(load["path"]).parent == stage_dir
-    # Each staged file went with its load (or at the latest with the engine).
+    # Each staged file went with its load (or at the latest with the engine), and the
+    # engine's owner lock went with the engine.
     assert sorted(p.name for p in stage_dir.glob(f"{FILE_PREFIX}*")) == []

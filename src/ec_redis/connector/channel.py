@@ -21,9 +21,9 @@ file stays small.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
-import secrets
 import threading
 import time
 from collections import deque
@@ -31,13 +31,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ec_redis.connector import owners
+
 CHANNEL_PREFIX = "ec_redis-stats-"
 MAX_OBSERVATIONS = 1024  # per publisher; older ones are dropped if nobody reads in time
 
 
 def channel_key(engine_id: str, dp_rank: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:64]
-    return f"{safe}-dp{dp_rank}"
+    """Names one engine's channel: a digest of its whole id (ids that differ anywhere, even
+    only in punctuation or past any length, never share a channel) and its DP rank."""
+    digest = hashlib.sha256(engine_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return f"{digest}-dp{dp_rank}"
 
 
 class Observations:
@@ -66,7 +70,7 @@ class Observations:
 
 class Publisher:
     """The worker half's side: keeps ``<dir>/ec_redis-stats-<key>-<pid>-<nonce>.json``
-    current."""
+    current, and holds its owner lock (``owners.py``) while it lives."""
 
     def __init__(
         self,
@@ -75,7 +79,8 @@ class Publisher:
         snapshot: Callable[[], dict[str, Any]],
         interval_s: float = 0.25,
     ) -> None:
-        self.name = f"{CHANNEL_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}.json"
+        self._owner = owners.Owner(Path(directory), f"{CHANNEL_PREFIX}{key}-")
+        self.name = f"{self._owner.stem}.json"
         self.path = Path(directory) / self.name
         self._snapshot = snapshot
         self._interval_s = interval_s
@@ -114,6 +119,7 @@ class Publisher:
             self._closed = True
             with contextlib.suppress(OSError):
                 self.path.unlink()
+            self._owner.close()
 
 
 class Reader:
@@ -133,7 +139,7 @@ class Reader:
     ) -> None:
         self._dir = Path(directory)
         self._pattern = f"{CHANNEL_PREFIX}{key}-*.json"
-        remove_orphans(self._dir)
+        owners.remove_orphans(self._dir, CHANNEL_PREFIX)
         self._rescan_s = rescan_s
         self._clock = clock
         self._paths: list[Path] = []
@@ -197,22 +203,3 @@ class Reader:
         for path in self._dir.glob(self._pattern):
             with contextlib.suppress(OSError):
                 path.unlink()
-
-
-def remove_orphans(directory: Path) -> None:
-    """Remove channel files whose publishing process is gone (it was killed)."""
-    for path in directory.glob(f"{CHANNEL_PREFIX}*.json"):
-        pid = path.name[: -len(".json")].rsplit("-", 2)[-2]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

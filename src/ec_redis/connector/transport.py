@@ -6,14 +6,14 @@ A staged file lives while its staging entry does, and while a load that names it
 transit: until the output of that step comes back (every rank ran it by then: vLLM gathers
 all ranks' outputs first), or ``in_transit_ttl_s`` as a backstop. Files are written with
 ``write(2)``, never through a mapping, so a full tmpfs is an error (and the item falls back
-to inline) rather than a SIGBUS. Files a killed process left behind are removed at start.
+to inline) rather than a SIGBUS. Files a killed process left behind are removed at start
+(``owners.py``: a file belongs to a live process while that process holds its lock).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import secrets
 import tempfile
 import threading
 import time
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ec_redis.connector.channel import pid_alive
+from ec_redis.connector import owners
 from ec_redis.connector.metadata import LoadItem
 from ec_redis.connector.staging import Found
 from ec_redis.logutil import RateLimitedLog
@@ -78,7 +78,9 @@ class FileTransport(InlineTransport):
     ) -> None:
         super().__init__()
         self._dir = Path(directory)
-        self._prefix = f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        owners.remove_orphans(self._dir, FILE_PREFIX)
+        self._owner = owners.Owner(self._dir, FILE_PREFIX)
+        self._prefix = f"{self._owner.stem}-"
         self._seq = itertools.count()
         self._ttl_s = in_transit_ttl_s
         self._clock = clock
@@ -86,7 +88,6 @@ class FileTransport(InlineTransport):
         self._refs: dict[str, int] = {}  # path -> holders (its staging entry, loads in transit)
         self._in_transit: deque[tuple[int, float, str]] = deque()  # (step, since, path)
         self._log = RateLimitedLog()
-        remove_orphans(self._dir)
 
     def stage(self, found: Found) -> Found:
         """Move a fetched tensor into a file (on a lookup thread, off the scheduling path)."""
@@ -157,6 +158,7 @@ class FileTransport(InlineTransport):
             self._in_transit.clear()
         for path in paths:
             _remove(path)
+        self._owner.close()
 
 
 def workers_in_other_processes(vllm_config: Any) -> bool:
@@ -200,17 +202,6 @@ def read_staged(load: LoadItem) -> torch.Tensor:
     if os.path.getsize(load.path) < numel * dtype.itemsize:  # a short mapping would SIGBUS
         raise OSError(f"staged file {load.path} is shorter than its load")
     return torch.from_file(load.path, shared=False, size=numel, dtype=dtype).view(load.shape)
-
-
-def remove_orphans(directory: Path) -> int:
-    """Remove staged files whose creating process is gone (a crash or a SIGKILL)."""
-    removed = 0
-    for path in directory.glob(f"{FILE_PREFIX}*"):
-        pid = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            _remove(str(path))
-            removed += 1
-    return removed
 
 
 def _has_room(directory: Path, nbytes: int) -> bool:
