@@ -247,12 +247,13 @@ def test_save_caches_only_on_producers(make_connector: Make, redis_url: str) -> 
     assert redis.Redis.from_url(redis_url).dbsize() == 1
 
 
-def test_save_caches_only_from_tp_rank_zero(
-    make_connector: Make, redis_url: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("ranks", [(1, 0, 0), (0, 1, 0), (0, 0, 1)], ids=["tp", "pp", "pcp"])
+def test_save_caches_only_from_the_first_rank_of_every_parallel_group(
+    make_connector: Make, redis_url: str, monkeypatch: pytest.MonkeyPatch, ranks: tuple[int, ...]
 ) -> None:
     import ec_redis.connector.connector as module
 
-    monkeypatch.setattr(module, "_tp_rank", lambda: 1)
+    monkeypatch.setattr(module, "_parallel_ranks", lambda: ranks)
     rank1 = make_connector("ec_producer", "worker")
     rank1.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
     rank1.start_save_caches(encoder_cache={"img2": embedding(16, 128)})
@@ -421,3 +422,23 @@ def wait_subscribed(scheduler: Any, push: bool) -> None:
     assert (subscription is not None) is push
     if subscription is not None:
         assert subscription.connected.wait(5)
+
+
+def test_a_save_the_cache_refuses_is_counted_once_and_not_retried_every_step(
+    make_connector: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = make_connector("ec_producer", "worker")
+    calls: list[str] = []
+
+    def refuse(item: str, tensor: object) -> bool:
+        calls.append(item)
+        return False
+
+    monkeypatch.setattr(worker._cache, "put", refuse)
+    encoder_cache = {"img": embedding(16, 128)}
+    worker.save_caches(encoder_cache=encoder_cache, mm_hash="img")
+    for _ in range(3):  # later steps: vLLM still holds the entry
+        worker.start_save_caches(encoder_cache=encoder_cache)
+    assert calls == ["img"]
+    assert worker.stats_snapshot()["save_errors"] == 1
+    assert worker.stats_snapshot().get("saved_items", 0) == 0

@@ -71,7 +71,9 @@ class ECRedisConnector(ECConnectorBase):
             )
             self._reporter = Reporter(self._scheduler, self._cache, channel.Reader(stage_dir, key))
         else:
-            speaks = _tp_rank() == 0  # one rank speaks for the instance: saves and metrics
+            # One rank speaks for the instance, saves and metrics: TP and prefill-context
+            # ranks hold the same encoder outputs, and only the first pipeline stage has any.
+            speaks = not any(_parallel_ranks())
             self._worker = WorkerSide(
                 self._cache,
                 _rank_device(),
@@ -272,10 +274,15 @@ def _rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import (
-        get_tensor_model_parallel_rank,
-        model_parallel_is_initialized,
-    )
+def _parallel_ranks() -> tuple[int, ...]:
+    """This worker's (tensor, pipeline, prefill-context) parallel ranks; zeros outside a
+    distributed setup."""
+    from vllm.distributed import parallel_state as ps
 
-    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+    if not ps.model_parallel_is_initialized():
+        return (0,)
+    ranks = [ps.get_tensor_model_parallel_rank(), ps.get_pp_group().rank_in_group]
+    pcp = getattr(ps, "_PCP", None)  # prefill context parallel (vLLM >= 0.11)
+    if pcp is not None:
+        ranks.append(pcp.rank_in_group)
+    return tuple(ranks)

@@ -26,6 +26,7 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "Bytes put into vLLM's encoder cache by the connector",
     "saved_items": "Encoder outputs handed to the cache by producers",
     "saved_bytes": "Bytes of encoder outputs handed to the cache by producers",
+    "save_errors": "Encoder outputs the cache refused (too large, or an internal error)",
     "redis_written_bytes": "Bytes written to Redis",
     "redis_errors": "Failed Redis reads (counted as misses)",
     "redis_write_errors": "Failed Redis writes (the entry stays local; sharing is lost)",

@@ -114,10 +114,10 @@ class WorkerSide:
         except Exception as exc:  # a failed save costs sharing, never the step
             self._log.warning("save", "ec_redis: cannot save %r: %r", mm_hash, exc)
             stored = False
+        self._published.add(mm_hash)  # tried once: a failure is not retried every step
         if not stored:
             self.counters.inc("save_errors")
             return
-        self._published.add(mm_hash)
         if self._save_wait_s > 0:
             self._step_saves.append(mm_hash)
         nbytes = tensor_nbytes(tensor)
