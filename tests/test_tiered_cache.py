@@ -59,6 +59,16 @@ def fake_cache() -> Iterator[Callable[..., TieredCache]]:
         cache.close(timeout_s=1)
 
 
+def test_put_says_false_when_no_tier_took_the_item(fake_cache: Callable[..., TieredCache]) -> None:
+    """Too large for the CPU tier and for the write queue: stored nowhere, and said so (a
+    producer counts it as a failed save instead of a saved one)."""
+    cache = fake_cache(gpu_cache_bytes=0, cpu_cache_bytes=64 * KiB, write_queue_bytes=64 * KiB)
+    assert cache.put("small", kib_tensor(16, seed=1)) is True
+    assert cache.put("big", kib_tensor(128, seed=2)) is False
+    assert cache.get("big") is None
+    assert stat(cache.stats(), "writer", "dropped_too_large") == 1
+
+
 # -- the tier walk ---------------------------------------------------------------------------
 
 

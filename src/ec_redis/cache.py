@@ -217,33 +217,33 @@ class TieredCache:
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Cache ``tensor`` under ``key``; returns at once (the Redis write is queued).
 
-        Raises ``TensorError`` for tensors the format cannot hold (a caller bug). Anything
+        Raises ``TensorError`` for tensors the format cannot hold (a caller bug). Returns
+        False when no tier took it (too large for every one, or a closed cache). Anything
         else that fails — a CUDA OOM in the GPU tier's compacting clone, a failed copy —
         costs this entry, is counted (``internal_errors``) and logged, and returns False
-        instead of raising (as does a closed cache).
+        instead of raising.
         """
         _check_key(key)
         _check_tensor(tensor)
         if self._closed:
             return False
         try:
-            self._store(key, tensor.detach())
+            return self._store(key, tensor.detach())
         except Exception as exc:  # a put costs sharing on failure, never the caller's step
             self._internal_error("a put", exc)
             return False
-        return True
 
-    def _store(self, key: str, tensor: torch.Tensor) -> None:
+    def _store(self, key: str, tensor: torch.Tensor) -> bool:
+        """Whether some tier took it (a queued Redis write counts)."""
         on_gpu = self._gpu_put(key, tensor)
         if on_gpu:
             self.cpu.delete(key)  # an older CPU copy would outlive it: spills skip such keys
         if on_gpu and self.writer is None:
-            return
+            return True
         host = self.transfer.to_host(tensor)
-        if not on_gpu:
-            self.cpu.put_host(key, host)
-        if self.writer is not None:
-            self.writer.submit(key, host)
+        kept = on_gpu or self.cpu.put_host(key, host)
+        queued = self.writer is not None and self.writer.submit(key, host)
+        return kept or queued
 
     def delete(self, key: str) -> None:
         """Remove ``key`` from every tier (UNLINK in Redis)."""

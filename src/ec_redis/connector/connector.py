@@ -9,6 +9,7 @@ fails engine start-up with the key and an example); the model identity comes fro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -203,13 +204,19 @@ class ECRedisConnector(ECConnectorBase):
         if self._closed:
             return
         self._closed = True
+        steps: list[Callable[[], None]] = []
         if self._scheduler is not None:
-            self._scheduler.shutdown()
+            steps.append(self._scheduler.shutdown)
         if self._publisher is not None:
-            self._publisher.close()
+            steps.append(self._publisher.close)
         if self._reporter is not None:
-            self._reporter.close()
-        shared.release(self._cache)
+            steps.append(self._reporter.close)
+        steps.append(lambda: shared.release(self._cache))
+        for step in steps:
+            try:  # each part lets go of its files, threads and sockets whatever the others do
+                step()
+            except Exception as exc:
+                logger.warning("ec_redis: shutdown step failed: %r", exc)
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECRedisStats | None:

@@ -164,11 +164,11 @@ class Transfer:
         source, ready, staged = host.tensor, host.ready, None
         if not host.pinned and self.pool is not None:
             staged = self.pool.acquire(tensor_nbytes(source))
-        if staged is not None:
-            host.wait()
-            source, ready = staged.view(source.dtype, source.shape), None
-            source.copy_(host.tensor)  # a host memcpy: the caller may free its tensor now
         try:
+            if staged is not None:
+                host.wait()
+                source, ready = staged.view(source.dtype, source.shape), None
+                source.copy_(host.tensor)  # a host memcpy: the caller may free its tensor now
             out, done = self._copy_to_device(
                 source, ready, side, device, pinned=host.pinned or staged is not None
             )
