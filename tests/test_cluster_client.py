@@ -4,6 +4,7 @@ without servers: a build function that fails as redis-py's constructor does, a f
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -68,6 +69,39 @@ def test_a_cluster_client_is_built_on_first_use_and_retried_after_a_backoff(
     with pytest.raises(redis.ConnectionError, match="closed"):
         lazy.cluster()
     assert seeds.attempts == 3
+
+
+def test_callers_never_queue_behind_a_slow_build_and_its_backoff_starts_when_it_fails() -> None:
+    """Black-holed seeds make a build take its connect timeouts: other threads miss at once
+    meanwhile, and the next attempt waits a backoff counted from the failure."""
+    clock, building, release = Clock(), threading.Event(), threading.Event()
+
+    def slow_build() -> Any:
+        building.set()
+        release.wait(10)
+        clock.now += 5.0  # the attempt took longer than the whole backoff
+        raise RedisClusterException("Redis Cluster cannot be connected. (timeouts)")
+
+    lazy = LazyCluster(slow_build, ExponentialBackoff(cap=2.0, base=0.5), clock)
+    errors: list[Exception] = []
+
+    def build_in_background() -> None:
+        try:
+            lazy.cluster()
+        except redis.ConnectionError as exc:
+            errors.append(exc)
+
+    builder = threading.Thread(target=build_in_background)
+    builder.start()
+    assert building.wait(10)
+    with pytest.raises(redis.ConnectionError, match="being built"):
+        lazy.cluster()  # does not wait for the builder
+    release.set()
+    builder.join(10)
+    assert len(errors) == 1  # the builder itself got the outage
+    with pytest.raises(redis.ConnectionError, match="timeouts"):
+        lazy.cluster()  # still within the backoff that began when the build failed
+    assert lazy.build_failures == 1
 
 
 def test_make_client_does_no_io_for_a_cluster_and_the_start_check_says_outage() -> None:

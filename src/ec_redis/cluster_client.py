@@ -67,34 +67,41 @@ class LazyCluster:
         client = self._client
         if client is not None:
             return client
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if self._closed:
-                raise RedisConnectionError("the Redis Cluster client is closed")
-            now = self._clock()
-            if now < self._retry_at:
-                raise RedisConnectionError(f"Redis Cluster unreachable ({self._last_error})")
-            try:
-                self._client = self._build()
-            except (RedisClusterException, RedisError, OSError) as exc:
-                self.build_failures += 1
-                self._retry_at = now + self._backoff.compute(self.build_failures)
-                self._last_error = f"{type(exc).__name__}: {exc}"
-                if self.build_failures == 1:
-                    logger.warning(
-                        "ec_redis: no Redis Cluster seed node answers (%s); later calls "
-                        "try again (misses meanwhile)", self._last_error,
-                    )  # fmt: skip
-                raise RedisConnectionError(
-                    f"Redis Cluster unreachable ({self._last_error})"
-                ) from None
-            if self.build_failures:
-                logger.warning(
-                    "ec_redis: Redis Cluster reachable after %d failed attempts",
-                    self.build_failures,
-                )
+        # One thread builds (with black-holed seeds that takes the connect timeouts); the
+        # others miss at once instead of queueing behind it.
+        if not self._lock.acquire(blocking=False):
+            raise RedisConnectionError("Redis Cluster client being built by another thread")
+        try:
+            return self._build_locked()
+        finally:
+            self._lock.release()
+
+    def _build_locked(self) -> RedisCluster:
+        if self._client is not None:
             return self._client
+        if self._closed:
+            raise RedisConnectionError("the Redis Cluster client is closed")
+        if self._clock() < self._retry_at:
+            raise RedisConnectionError(f"Redis Cluster unreachable ({self._last_error})")
+        try:
+            self._client = self._build()
+        except (RedisClusterException, RedisError, OSError) as exc:
+            self.build_failures += 1
+            # from the failure, not the attempt: a build may spend the whole backoff
+            self._retry_at = self._clock() + self._backoff.compute(self.build_failures)
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            if self.build_failures == 1:
+                logger.warning(
+                    "ec_redis: no Redis Cluster seed node answers (%s); later calls "
+                    "try again (misses meanwhile)", self._last_error,
+                )  # fmt: skip
+            raise RedisConnectionError(f"Redis Cluster unreachable ({self._last_error})") from None
+        if self.build_failures:
+            logger.warning(
+                "ec_redis: Redis Cluster reachable after %d failed attempts",
+                self.build_failures,
+            )
+        return self._client
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never build for private lookups (copy, pickle probes)
