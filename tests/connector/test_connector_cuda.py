@@ -85,13 +85,13 @@ def test_no_failure_inside_a_save_escapes_save_caches(
     worker.start_save_caches(encoder_cache=encoder_cache)
     snapshot = worker.stats_snapshot()
     stats = cache.stats()
-    if failure in ("record_stream", "put"):  # nothing was stored: counted, retried next step
-        assert snapshot["save_errors"] == 2 and "saved_items" not in snapshot
+    if failure in ("record_stream", "put"):  # nothing was stored: counted, tried only once
+        assert snapshot["save_errors"] == 1 and "saved_items" not in snapshot
     else:  # no failure, or only the pinned block was lost (pageable instead)
         assert snapshot.get("save_errors", 0) == 0 and snapshot["saved_items"] == 1
         assert cache.flush(10) and stats["writer"]["submitted"] == 1
         assert stats["cpu"]["entries"] == 1
-    internal = 2 if failure == "record_stream" else 0
+    internal = 1 if failure == "record_stream" else 0
     assert stats.get("internal_errors", 0) == internal  # counted (and logged) by the cache
     assert stats["gpu"]["entries"] == 0  # vLLM's encoder outputs are never held on the GPU
     assert stats["cpu"]["pinned_in_use_bytes"] <= stats["cpu"]["pinned_bytes"]
