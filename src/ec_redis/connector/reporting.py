@@ -26,7 +26,7 @@ class Reporter:
         self._deltas = Deltas()
         self._worker_totals: dict[str, float] = {}  # cumulative, for stats_snapshot
         self._worker_gauges: dict[str, float] = {}
-        scheduler.worker_gauges = self._worker_gauges  # has_pending_push_work reads them
+        scheduler.pending_work.worker_gauges = self._worker_gauges  # pending.py reads them
 
     def take(self) -> dict[str, Any]:
         """Increments since the last call: counters, changed gauges, new observations."""

@@ -41,12 +41,12 @@ from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.gate import RequestGate
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
+from ec_redis.connector.pending import PendingWork
 from ec_redis.connector.staging import STAGED, Found, Stager
 from ec_redis.connector.transport import InlineTransport
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 
-PUSH_REPORT_FRESH_S = 10.0
 MAX_OBSERVATIONS = 1024
 HOUSEKEEPING_S = 1.0
 
@@ -97,13 +97,9 @@ class SchedulerSide:
         self._loads: dict[str, LoadItem] = {}
         self._step_start: float | None = None
         self._step = 0  # numbers the metadata; workers acknowledge the steps they ran
-        # Worker reports (producers).
-        self._pending_writes = 0
-        self._pending_reported_at = 0.0
-        self._reported_generation = 0  # the stager's generation when stats were last taken
-        self._reported_at = -PUSH_REPORT_FRESH_S
-        # Gauges of the worker halves as last read from the stats channel (reporting.py).
-        self.worker_gauges: dict[str, float] = {}
+        self.pending_work = PendingWork(
+            self._stager, cache, pure_producer=is_producer and not is_consumer, clock=clock
+        )
         self._next_housekeeping = 0.0
         self._log = RateLimitedLog()
         # A pure consumer hears the moment a producer stores an item it may wait for.
@@ -253,49 +249,23 @@ class SchedulerSide:
         if not isinstance(meta, ECRedisWorkerMetadata):
             return
         try:
-            self._pending_writes = meta.pending_writes
-            self._pending_reported_at = self._clock()
+            self.pending_work.worker_reported(meta.pending_writes)
             if meta.loaded_step >= 0:
                 self._transport.step_done(meta.loaded_step)  # every rank ran those loads
         except Exception as exc:
             self.internal_error("update_connector_output", exc)
 
     def begin_report(self) -> None:
-        """The stats vLLM is about to get include every lookup returned by now."""
-        self._reported_generation = self._stager.generation
-        self._reported_at = self._clock()
+        self.pending_work.begin_report()
 
     def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while something it did is still to be reported
+        (``pending.py``)."""
         try:
-            return self._pending_push_work()
+            return self.pending_work.any()
         except Exception as exc:
             self.internal_error("has_pending_push_work", exc)
             return False
-
-    def _pending_push_work(self) -> bool:
-        """Keep the engine stepping while something it did is still to be reported: a
-        lookup in flight or returned since the last report (an encoder's head check can
-        return after its request was encoded and finished; vLLM reports only while it
-        steps), and a producer-only engine's Redis writes.
-
-        With the worker in this process the shared cache's write queue says so directly
-        (vLLM's V1 encoder-only path drops worker metadata); otherwise the last report from
-        the workers counts, for a bounded time.
-        """
-        if self._stager.in_flight > 0:
-            return True
-        unreported = self._stager.generation != self._reported_generation
-        if unreported and self._clock() - self._reported_at < PUSH_REPORT_FRESH_S:
-            return True  # (only while someone takes the stats: never spin for nobody)
-        if not self._is_producer or self._is_consumer:
-            return False
-        writer = self._cache.writer
-        if writer is not None and writer.depth()[0] > 0:
-            return True  # the worker shares this process (and this cache)
-        if self.worker_gauges.get("write_queue_depth", 0) > 0:
-            return True  # a worker process's queue, as its stats last said
-        fresh = self._clock() - self._pending_reported_at < PUSH_REPORT_FRESH_S
-        return self._pending_writes > 0 and fresh
 
     def take_unavailable_requests(self) -> set[str]:
         try:
