@@ -8,7 +8,11 @@ after step like an engine's (an idle step does the connector's bounded wait). Mo
 - ``poll``: ``push_notifications`` off; a missing item is looked at again every
   ``recheck_s`` (0.05 s, the default);
 - ``push``: the default; the writer announces each stored entry and the waiting consumer
-  fetches it at once (polling stays the fallback).
+  fetches it at once (polling stays the fallback). The fetched item is staged as a tmpfs
+  file, as in vLLM's default layout (workers in other processes);
+- ``push inline``: the same, with the item handed over in memory (``stage_transport:
+  inline``, as when the workers share the scheduler's process): the difference between the
+  two is the hand-off to another process, a copy the raw baseline does not make.
 
 Next to them, on the same server: ``raw SET+GET``, one redis-py SET of the tensor's bytes
 and one GET; ``write+read``, ec_redis's own Redis write of the item (chunks, then the head)
@@ -30,6 +34,7 @@ from ec_redis.connector.bench import build_connectors, one_item
 MODES: dict[str, dict[str, object]] = {
     "poll": {"push_notifications": False, "recheck_s": 0.05},
     "push": {"push_notifications": True},
+    "push inline": {"push_notifications": True, "stage_transport": "inline"},
 }
 
 
@@ -37,7 +42,7 @@ MODES: dict[str, dict[str, object]] = {
 class VisibilityRow:
     item: str
     mib: float
-    mode: str  # "raw SET+GET", "write+read", "poll" or "push"
+    mode: str  # "raw SET+GET", "write+read", "poll", "push" or "push inline"
     p50_ms: float
     p99_ms: float
 
@@ -61,7 +66,7 @@ def run(
 def visible_after_save(
     redis_url: str, item: Item, runs: int, mode: str, extra: dict[str, object]
 ) -> list[float]:
-    settings = {"redis_url": redis_url, "namespace": f"benchvis-{mode}", **extra}
+    settings = {"redis_url": redis_url, "namespace": f"benchvis-{mode.replace(' ', '-')}", **extra}
     producer, scheduler, worker = build_connectors("ECRedisConnector", settings, item.width)
     try:
         return [
@@ -134,16 +139,18 @@ def _pct(values: list[float], pct: int) -> float:
 
 def render(rows: list[VisibilityRow]) -> str:
     lines = [
-        "| item | MiB | raw SET+GET | ec_redis write+read | poll only | push "
-        "| push - write+read (p50) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| item | MiB | raw SET+GET | ec_redis write+read | poll only | push (file) "
+        "| push (inline) | push - write+read (p50): file / inline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_key = {(r.item, r.mode): r for r in rows}
+    modes = ("raw SET+GET", "write+read", "poll", "push", "push inline")
     for item in dict.fromkeys(r.item for r in rows):
-        raw, tier, poll, push = (
-            by_key[(item, m)] for m in ("raw SET+GET", "write+read", "poll", "push")
+        raw, tier, poll, push, inline = (by_key[(item, m)] for m in modes)
+        cells = " | ".join(
+            f"{r.p50_ms:.1f} / {r.p99_ms:.1f}" for r in (raw, tier, poll, push, inline)
         )
-        cells = " | ".join(f"{r.p50_ms:.1f} / {r.p99_ms:.1f}" for r in (raw, tier, poll, push))
-        lines.append(f"| {item} | {raw.mib:.2f} | {cells} | {push.p50_ms - tier.p50_ms:+.1f} |")
+        deltas = f"{push.p50_ms - tier.p50_ms:+.1f} / {inline.p50_ms - tier.p50_ms:+.1f}"
+        lines.append(f"| {item} | {raw.mib:.2f} | {cells} | {deltas} |")
     lines.append("\n(p50 / p99 ms; poll only, push: save_caches returned -> has_cache_item yes)")
     return "\n".join(lines)
