@@ -80,25 +80,17 @@ def epd(
     extra = {"redis_url": redis_server.url}  # consumer_wait_s: the default 5 s
     limit = ("--limit-mm-per-prompt", json.dumps({"image": IMAGES}))
     started: list[ApiServer] = []
+
+    def server(name: str, role: str) -> ApiServer:
+        ec = {**EC_CONNECTOR, "ec_role": role, "ec_connector_extra_config": extra}
+        started.append(
+            ApiServer(name, tiny_model, work, ec, extra_args=limit, env=DEFAULT_LAYOUT_ENV)
+        )
+        return started[-1]
+
     try:
-        encoder = ApiServer(
-            "encoder",
-            tiny_model,
-            work,
-            {**EC_CONNECTOR, "ec_role": "ec_producer", "ec_connector_extra_config": extra},
-            extra_args=limit,
-            env=DEFAULT_LAYOUT_ENV,
-        )
-        started.append(encoder)
-        pd = ApiServer(
-            "pd",
-            tiny_model,
-            work,
-            {**EC_CONNECTOR, "ec_role": "ec_consumer", "ec_connector_extra_config": extra},
-            extra_args=limit,
-            env=DEFAULT_LAYOUT_ENV,
-        )
-        started.append(pd)
+        encoder = server("encoder", "ec_producer")
+        pd = server("pd", "ec_consumer")
         ready = wait_healthy(started, timeout_s=400)
         port = free_port()
         proxy_cmd = [

@@ -2,8 +2,8 @@
 
 vLLM's V1 model runner never reads a worker's connector stats, and its encoder-only path even
 drops the worker metadata; V2 reads them, but only where it runs. So the worker half that
-speaks for the instance (rank 0 of TP, PP and PCP) publishes its cumulative counters and its recent
-observations in a small file on the host's tmpfs, and the scheduler half of the same engine
+speaks for the instance (rank 0 of TP, PP and PCP) publishes its cumulative counters and its
+recent observations in a small file on the host's tmpfs, and the scheduler half of the same engine
 (same ``engine_id`` and data-parallel rank) reads it and reports the increments — each
 exactly once, with the worker in the scheduler's process or not, under V1 and V2. The worker
 half's own ``get_ec_connector_stats`` therefore reports nothing.

@@ -47,10 +47,12 @@ def write_entry(
     # One round trip: the write's keys, then the swap, assuming no chunked entry is there
     # (true for a new item or a one-value one). When one is, the script answers with its head
     # and the next round retires that head's chunks.
-    expected: bytes = b""
-    retired: list[str] = []
     own_head = bytes(parts[0][:HEADER_SIZE])  # unique: it holds this write's id
-    args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce, own_head]
+
+    def swap_args(expected: bytes) -> list[Any]:
+        return [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce, own_head]
+
+    args = swap_args(b"")
     pipe = client.pipeline(transaction=False)
     for key, part in zip(new_chunks, parts[1:], strict=True):
         pipe.set(key, part, px=grace_ms)
@@ -74,8 +76,7 @@ def write_entry(
         # looked): retire that version's chunks instead
         expected, retired = replaced(head_key, reply[1], int(reply[2]))
         retired = [k for k in retired if k not in new_chunks]
-        args = [expected, len(new_chunks), ttl_ms or 0, grace_ms, *announce, own_head]
-        reply = SWAP.run(client, [head_key, *written, *retired], args)
+        reply = SWAP.run(client, [head_key, *written, *retired], swap_args(expected))
         attempts += 1
     if int(reply[0]) == SWAPPED:
         return STORED
