@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ec_redis.breaker import CircuitBreaker
+from ec_redis.codec import destination
 from ec_redis.codec.format import BY_TORCH, MAX_NDIM
 from ec_redis.config import CacheConfig
 from ec_redis.errors import TensorError
@@ -133,7 +134,9 @@ class TieredCache:
 
         ``on_host=True`` returns host tensors that own their memory (never pooled pinned
         buffers, which return to their pool) and promotes nothing to the GPU tier: for
-        handing items to another process or to code that copies them itself.
+        handing items to another process or to code that copies them itself. A read that
+        landed in a buffer the caller lent (``codec/destination.py``) is not kept in the CPU
+        tier either: those bytes are the caller's.
         """
         out: dict[str, torch.Tensor | None] = {}
         remote: list[str] = []
@@ -143,7 +146,12 @@ class TieredCache:
                 remote.append(key)
         if remote and self.redis is not None and not self._closed:
             for key, host_tensor in self._redis_get_many(remote).items():
-                if host_tensor is not None:
+                if host_tensor is None:
+                    continue
+                if destination.is_lent(host_tensor):  # the caller's: not ours to keep in a tier
+                    host = HostCopy(host_tensor)
+                    out[key] = host_tensor if on_host else self.transfer.to_device(host)
+                else:
                     out[key] = self._promote(key, HostCopy(host_tensor), on_host)
         hits = sum(v is not None for v in out.values())
         self.counters.inc("hits", hits)

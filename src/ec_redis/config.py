@@ -396,6 +396,15 @@ class ConnectorOptions:
             _text, '"/dev/shm"', "Where staged files go (a tmpfs); empty: /dev/shm or the tmp dir."
         ),
     )
+    stage_spare_bytes: int = field(
+        default=64 * _MiB,
+        metadata=_key(
+            _size,
+            '"64MiB"',
+            "tmpfs bytes of staging files made ahead of time (file transport), so fetches land "
+            "in allocated pages; 0 turns them off.",
+        ),
+    )
     lookup_threads: int = field(
         default=2,
         metadata=_key(_int_at_least(1), "2", "Scheduler-side threads fetching from Redis."),

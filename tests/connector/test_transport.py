@@ -16,6 +16,7 @@ import torch
 from ec_redis.connector import owners
 from ec_redis.connector import transport as module
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata
+from ec_redis.connector.spares import is_spare
 from ec_redis.connector.staging import Found
 from ec_redis.connector.transport import FileTransport, InlineTransport, read_staged
 from tests.conftest import bit_exact, embedding
@@ -30,9 +31,12 @@ def found(rows: int, width: int = 128, seed: int = 0) -> Found:
 
 
 def files(directory: Path) -> list[Path]:
-    """Staged item files (not the owner locks of the transports that made them)."""
+    """Staged item files (not the owner locks of the transports that made them, nor their
+    spare files)."""
     return sorted(
-        p for p in directory.glob(f"{module.FILE_PREFIX}*") if p.suffix != owners.LOCK_SUFFIX
+        p
+        for p in directory.glob(f"{module.FILE_PREFIX}*")
+        if p.suffix != owners.LOCK_SUFFIX and not is_spare(p.name)
     )
 
 

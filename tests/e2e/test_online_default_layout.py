@@ -26,6 +26,7 @@ import requests
 
 from ec_redis.connector import owners
 from ec_redis.connector.owners import LOCK_SUFFIX
+from ec_redis.connector.spares import is_spare
 from ec_redis.connector.transport import FILE_PREFIX, default_directory
 from ec_redis.embedded import EmbeddedRedis, free_port
 from tests.e2e.harness import (
@@ -68,9 +69,12 @@ def images_encoded(server: ApiServer) -> list[int]:
 
 
 def stage_files(directory: Path, owners: bool = False) -> list[str]:
-    """Staged item files (``owners``: also the lock files of the processes that own them)."""
+    """Staged item files (``owners``: also the lock files of the processes that own them
+    and their spare files, made ahead of time)."""
     names = sorted(p.name for p in directory.glob(f"{FILE_PREFIX}*"))
-    return names if owners else [n for n in names if not n.endswith(LOCK_SUFFIX)]
+    if owners:
+        return names
+    return [n for n in names if not n.endswith(LOCK_SUFFIX) and not is_spare(n)]
 
 
 @pytest.fixture
@@ -141,6 +145,10 @@ def test_encoder_and_pd_in_the_default_layout_match_the_baseline(
         # vLLM's mp executor on one host), never inline in the step metadata.
         assert metric_total(pd, "vllm:ec_redis_staged_files_total") == len(IMAGES)
         assert metric_total(pd, "vllm:ec_redis_stage_inline_fallbacks_total") in (0, None)
+        # The first image found no spare file (the first ask sizes them); every later one was
+        # staged through a spare made ahead of time, and two spares are waiting now.
+        assert metric_total(pd, "vllm:ec_redis_stage_spare_hits_total") == len(IMAGES) - 1
+        assert metric_total(pd, "vllm:ec_redis_spare_bytes") == 2 * 2**20
         assert metric_total(pd, "vllm:ec_redis_loaded_bytes_total") == len(IMAGES) * 16 * 128 * 2
         # The worker-side write counters, from the encoder's worker process: exactly the bytes
         # that are in Redis (one entry per image, written once).
@@ -158,8 +166,9 @@ def test_encoder_and_pd_in_the_default_layout_match_the_baseline(
         stop_servers(servers)
         store.close()
     # ... nor after they stopped. A server stopped by a signal may leave its processes'
-    # owner locks (vLLM's shutdown may not reach the connector): nobody holds them any more,
-    # so the next start on this folder sweeps them, as it sweeps a killed engine's files.
+    # owner locks and spare files (vLLM's shutdown may not reach the connector): nobody
+    # holds those locks any more, so the next start on this folder sweeps them, as it sweeps
+    # a killed engine's files.
     assert stage_files(stage_dir) == []
     locks = [stage_dir / name for name in stage_files(stage_dir, owners=True)]
     assert not any(owners.held(lock) for lock in locks), locks

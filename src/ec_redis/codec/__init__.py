@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
+from ec_redis.codec import destination
 from ec_redis.codec.compression import (
     lz4_compress,
     lz4_decompress,
@@ -269,10 +270,10 @@ def _decode_raw(
         offset = header.payload_offset + st_len
         data = torch.frombuffer(head, dtype=torch.uint8, offset=offset, count=len(first) - st_len)
         return _as_tensor(header, data)
-    # Chunked: stream every piece into one fresh buffer, hashing as we go (the one copy).
+    # Chunked: stream every piece into one buffer, hashing as we go (the one copy).
     stream = _Concat(pieces)
     prefix: bytes | memoryview = stream.take(st_len)
-    out = torch.empty(header.tensor_nbytes, dtype=torch.uint8)
+    out = destination.buffer(header.tensor_nbytes)
     hasher = xxhash.xxh3_64(prefix)
     stream.copy_into(out.numpy().data, hasher)
     _check(header, hasher.intdigest(), prefix)

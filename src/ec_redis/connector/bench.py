@@ -145,10 +145,11 @@ def _one_size(
 
 
 def one_item(
-    producer: Any, scheduler: Any, worker: Any, item: Item, run: int, tag: str
-) -> dict[str, float]:
+    producer: Any, scheduler: Any, worker: Any, item: Item, run: int, tag: str,
+    done: Callable[[str], object] | None = None,
+) -> dict[str, float]:  # fmt: skip
     """One item through every hook, in vLLM's order; seconds per hook. Raises if the loaded
-    tensor differs from the saved one."""
+    tensor differs from the saved one. ``done(mm_hash)`` runs at the end (untimed)."""
     out: dict[str, float] = {}
     tensor = activation_like(item.rows, item.width, seed=run)
     mm_hash = f"{tag}-{item.rows}-{run}-{time.time_ns()}"
@@ -179,6 +180,8 @@ def one_item(
     if not torch.equal(loaded[mm_hash], tensor):
         raise RuntimeError(f"{tag} loaded a wrong tensor: refusing to report")
     scheduler.request_finished(req)
+    if done is not None:
+        done(mm_hash)
     return out
 
 

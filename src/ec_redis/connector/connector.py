@@ -68,7 +68,9 @@ class ECRedisConnector(ECConnectorBase):
                 ),
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
-                transport=transport.choose(vllm_config, options.stage_transport, stage_dir),
+                transport=transport.choose(
+                    vllm_config, options.stage_transport, stage_dir, options.stage_spare_bytes
+                ),
             )
             self._reporter = Reporter(self._scheduler, self._cache, channel.Reader(stage_dir, key))
         else:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ec_redis.cache import TieredCache
+from ec_redis.codec import destination
 from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.gate import RequestGate
@@ -112,7 +113,9 @@ class SchedulerSide:
 
     def _fetch_tensors(self, items: list[str]) -> dict[str, Found | None]:
         # Host tensors that own their memory: staged bytes may cross to worker processes.
-        found = self._cache.get_many(items, on_host=True)
+        # A read may land straight in a file staged for the workers (``spares.py``).
+        with destination.lending(self._transport.lend):
+            found = self._cache.get_many(items, on_host=True)
         return {
             item: None if t is None else Found(t.dtype, tuple(t.shape), t)
             for item, t in found.items()
@@ -314,6 +317,7 @@ class SchedulerSide:
                 out[name] = out.get(name, 0) + value
         out["staged_bytes"] = self._stager.staged_bytes
         out["reserved_bytes"] = self._stager.reserved_bytes
+        out["spare_bytes"] = self._transport.spare_bytes()
         return out
 
     def take_observations(self) -> dict[str, list[float]]:

@@ -41,6 +41,7 @@ COUNTERS: dict[str, str] = {
     "stage_overflow": "Fetched items dropped because they outgrew their staging reservation",
     "staged_files": "Fetched items staged as host-local files the worker processes read",
     "stage_inline_fallbacks": "Items staged inline (in the step metadata) because a file failed",
+    "stage_spare_hits": "Staged files that were spares made ahead of time (no new tmpfs pages)",
     "internal_errors": "Unexpected errors inside connector hooks (each fell back to encoding)",
     "save_wait_timeouts": "Saved items not yet in Redis when their step's save_wait_s ran out",
 }
@@ -49,6 +50,7 @@ GAUGES: dict[str, str] = {
     "write_queue_depth": "Redis writes queued or in flight",
     "staged_bytes": "Bytes fetched and held for promised loads",
     "reserved_bytes": "Bytes reserved for lookups in flight (counted against stage_bytes)",
+    "spare_bytes": "tmpfs bytes held in spare staging files made ahead of time",
 }
 HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
     "item_mb": (

@@ -8,6 +8,10 @@ all ranks' outputs first), or ``in_transit_ttl_s`` as a backstop. Files are writ
 ``write(2)``, never through a mapping, so a full tmpfs is an error (and the item falls back
 to inline) rather than a SIGBUS. Files a killed process left behind are removed at start
 (``owners.py``: a file belongs to a live process while that process holds its lock).
+
+Staging costs almost nothing when a lookup's Redis read landed in a spare file
+(``spares.py``: made ahead of time, pages already allocated): the file is renamed. Other
+items are copied into a spare when one fits, else written into a new file.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from ec_redis.connector import owners
 from ec_redis.connector.metadata import LoadItem
+from ec_redis.connector.spares import SpareFiles
 from ec_redis.connector.staging import Found
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -45,6 +50,10 @@ class InlineTransport:
     def stage(self, found: Found) -> Found:
         return found
 
+    def lend(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer a lookup's read may land in (``codec/destination.py``); ``None``: any."""
+        return None
+
     def discard(self, found: Found) -> None:
         """A staging entry died; its bytes go with it."""
 
@@ -55,6 +64,10 @@ class InlineTransport:
         """The output of ``step`` came back from every rank."""
 
     def live_files(self) -> int:
+        return 0
+
+    def spare_bytes(self) -> int:
+        """tmpfs bytes held in spare files made ahead of time."""
         return 0
 
     def sweep(self) -> None:
@@ -73,6 +86,7 @@ class FileTransport(InlineTransport):
         self,
         directory: str,
         *,
+        spare_bytes: int = 0,
         in_transit_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -81,6 +95,9 @@ class FileTransport(InlineTransport):
         owners.remove_orphans(self._dir, FILE_PREFIX)
         self._owner = owners.Owner(self._dir, FILE_PREFIX)
         self._prefix = f"{self._owner.stem}-"
+        self.spares = SpareFiles(
+            self._dir, self._owner.stem, spare_bytes, lambda nbytes: _has_room(self._dir, nbytes)
+        )
         self._seq = itertools.count()
         self._ttl_s = in_transit_ttl_s
         self._clock = clock
@@ -95,10 +112,12 @@ class FileTransport(InlineTransport):
         if tensor is None:
             return found
         nbytes = found.nbytes
+        path = str(self._dir / f"{self._prefix}{next(self._seq)}")
+        if self._claim(tensor, path):
+            return Found(found.dtype, found.shape, path=path)
         if not _has_room(self._dir, nbytes):
             self.counters.inc("stage_inline_fallbacks")
             return found
-        path = str(self._dir / f"{self._prefix}{next(self._seq)}")
         try:
             _write_file(path, tensor)
         except OSError as exc:  # tmpfs full or gone: inline is slower, never wrong
@@ -110,6 +129,27 @@ class FileTransport(InlineTransport):
             self._refs[path] = 1
         self.counters.inc("staged_files")
         return Found(found.dtype, found.shape, path=path)
+
+    def lend(self, nbytes: int) -> torch.Tensor | None:
+        return self.spares.lend(nbytes)
+
+    def _claim(self, tensor: torch.Tensor, path: str) -> bool:
+        """Stage ``tensor`` as ``path`` through a spare file: the one its read landed in
+        (a rename), else a free one (a copy into pages allocated ahead of time)."""
+        claimed = self.spares.claim(tensor, path)
+        if not claimed:
+            spare = self.spares.lend(tensor.numel() * tensor.element_size())
+            if spare is None:
+                return False
+            spare.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            claimed = self.spares.claim(spare, path)
+            del spare  # the claimed file is no longer this process's mapping to keep
+        if claimed:
+            with self._lock:
+                self._refs[path] = 1
+            self.counters.inc("staged_files")
+            self.counters.inc("stage_spare_hits")
+        return claimed
 
     def discard(self, found: Found) -> None:
         if found.path is not None:
@@ -151,6 +191,9 @@ class FileTransport(InlineTransport):
         with self._lock:
             return len(self._refs)
 
+    def spare_bytes(self) -> int:
+        return self.spares.spare_bytes()
+
     def close(self) -> None:
         with self._lock:
             paths = list(self._refs)
@@ -158,6 +201,7 @@ class FileTransport(InlineTransport):
             self._in_transit.clear()
         for path in paths:
             _remove(path)
+        self.spares.close()
         self._owner.close()
 
 
@@ -169,7 +213,7 @@ def workers_in_other_processes(vllm_config: Any) -> bool:
     return isinstance(backend, str) and backend not in ("uni", "external_launcher")
 
 
-def choose(vllm_config: Any, setting: str, directory: str) -> InlineTransport:
+def choose(vllm_config: Any, setting: str, directory: str, spare_bytes: int = 0) -> InlineTransport:
     """``auto``: files when vLLM runs the workers in other processes of this host (its
     ``mp`` executor on one node), inline otherwise (one process, or Ray across hosts)."""
     if setting == "auto":
@@ -178,7 +222,7 @@ def choose(vllm_config: Any, setting: str, directory: str) -> InlineTransport:
         nnodes = getattr(parallel, "nnodes", 1)
         setting = "file" if backend == "mp" and nnodes == 1 else "inline"
     if setting == "file":
-        return FileTransport(directory or default_directory())
+        return FileTransport(directory or default_directory(), spare_bytes=spare_bytes)
     return InlineTransport()
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ec_redis.codec import decode_parts, read_header
+from ec_redis.codec import decode_parts, destination, read_header
 from ec_redis.codec.direct import direct_layout, finish_direct
-from ec_redis.codec.format import HEADER_SIZE, BlobHeader
+from ec_redis.codec.format import CODEC_NONE, HEADER_SIZE, BlobHeader
 from ec_redis.errors import BlobError, BlobTooLargeError
 from ec_redis.tiers import bulk_read, entry_ops
 from ec_redis.tiers.guard import REDIS_ERRORS, Guard
@@ -106,7 +106,10 @@ class EntryReader:
         layout = direct_layout(entry.header, len(entry.head))
         if layout is None or len(layout) != len(entry.chunk_keys):
             return False
-        data = torch.empty(sum(layout), dtype=torch.uint8)
+        # A raw blob's buffer becomes the tensor: it may land where the caller wants it.
+        size = sum(layout)
+        raw = entry.header.codec == CODEC_NONE
+        data = destination.buffer(size) if raw else torch.empty(size, dtype=torch.uint8)
         view = data.numpy().data
         targets, start = [], 0
         for length in layout:
