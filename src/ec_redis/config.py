@@ -401,8 +401,8 @@ class ConnectorOptions:
         metadata=_key(
             _size,
             '"64MiB"',
-            "tmpfs bytes of staging files made ahead of time (file transport), so fetches land "
-            "in allocated pages; 0 turns them off.",
+            "Bytes of staging buffers made ahead of time (tmpfs files with file staging), so "
+            "fetches land in allocated pages; 0 turns them off.",
         ),
     )
     lookup_threads: int = field(

@@ -18,9 +18,9 @@ import torch
 
 from ec_redis.codec import destination
 from ec_redis.connector import owners
-from ec_redis.connector.spares import SPARES, SpareFiles, is_spare
+from ec_redis.connector.spares import SPARES, Spares, is_spare
 from ec_redis.connector.staging import Found
-from ec_redis.connector.transport import FILE_PREFIX, FileTransport, read_staged
+from ec_redis.connector.transport import FILE_PREFIX, FileTransport, InlineTransport, read_staged
 from tests.conftest import bit_exact, embedding
 
 pytestmark = pytest.mark.vllm  # the connector package imports vLLM
@@ -120,7 +120,7 @@ def test_spares_stay_within_their_budget(
     """Spares take the size of the largest recent item of which two fit the budget; smaller
     ones make room; the pool never holds more than the budget."""
     budget = 12 * MiB
-    spares = SpareFiles(tmp_path, "stem", budget, lambda _: True)
+    spares = Spares(tmp_path, budget, "stem")
 
     def sized(target: int) -> bool:
         return sum(p.stat().st_size >= target for p in spare_files(tmp_path)) >= SPARES
@@ -143,8 +143,8 @@ def test_spares_stay_within_their_budget(
 
 
 def test_no_budget_or_no_room_means_no_spares(tmp_path: Path) -> None:
-    off = SpareFiles(tmp_path, "off", 0, lambda _: True)
-    full = SpareFiles(tmp_path, "full", 64 * MiB, lambda _: False)
+    off = Spares(tmp_path, 0, "off")
+    full = Spares(tmp_path, 64 * MiB, "full", lambda _: False)
     for spares in (off, full):
         assert spares.lend(MiB) is None
     time.sleep(0.2)  # what a filler would make in this time, it would make in 1 ms
@@ -243,3 +243,24 @@ def test_a_lender_that_fails_or_lends_the_wrong_size_costs_only_the_spare() -> N
         with destination.lending(lender):
             got = decode_parts(parts)
             assert bit_exact(got, item) and not destination.is_lent(got)
+
+
+def test_inline_staging_lends_private_memory_and_replaces_it_once_used() -> None:
+    """Workers in this process: spares are memory faulted in ahead of time, no files; a
+    lent one goes with its last tensor and a new one takes its place."""
+    transport = InlineTransport(spare_bytes=8 * MiB)
+    item = embedding(1000, 1024, seed=8)
+    nbytes = item.numel() * item.element_size()
+    assert transport.lend(nbytes) is None  # the first ask sizes them
+    assert eventually(lambda: transport.spare_bytes() == SPARES * 2 * MiB)
+    buffer = transport.lend(nbytes)
+    assert buffer is not None and transport.spare_bytes() == 2 * MiB
+    found = as_found(buffer, item)
+    assert transport.stage(found) is found  # handed over as it is
+    assert bit_exact(transport.load("img", found, step=0).tensor, item)  # type: ignore[arg-type]
+    assert not transport.spares.claim(buffer, "/nonexistent/x")  # nothing to rename
+    del buffer, found
+    gc.collect()
+    assert eventually(lambda: transport.spare_bytes() == SPARES * 2 * MiB)
+    transport.close()
+    assert transport.spare_bytes() == 0 and transport.lend(nbytes) is None

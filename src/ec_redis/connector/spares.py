@@ -1,12 +1,13 @@
-"""Staging files made ahead of time, so that a fetch does not pay for fresh tmpfs pages.
+"""Staging buffers made ahead of time, so that a fetch does not pay for fresh pages.
 
 Writing a 16 MiB item into a new tmpfs file costs ~6 ms on a small VM, almost all of it the
 kernel allocating and zeroing pages; a read into fresh process memory pays ~4 ms of page
-faults more. A background thread therefore keeps a few *spare* files: blocks reserved with
-``posix_fallocate`` (a full tmpfs is an error there, never a SIGBUS later), mapped shared,
-every page faulted in. A lookup borrows one as the buffer a Redis read lands in
-(``codec/destination.py``), and staging then only renames the file: the bytes went from the
-socket straight into the page cache the workers map.
+faults more. A background thread therefore keeps a few *spare* buffers, every page faulted
+in. With file staging they are files: blocks reserved with ``posix_fallocate`` (a full
+tmpfs is an error there, never a SIGBUS later), mapped shared. A lookup borrows one as the
+buffer a Redis read lands in (``codec/destination.py``), and staging then only renames the
+file: the bytes went from the socket straight into the page cache the workers map. With
+inline staging they are private memory, lent the same way and handed over as they are.
 
 A borrowed file's life::
 
@@ -59,13 +60,17 @@ class _Lent:
     remove: weakref.finalize[[str], mmap.mmap]
 
 
-class SpareFiles:
-    """Spare staging files in ``directory`` named ``<stem>-spare-<n>`` (``stem``: their
-    owner's, ``owners.py``), at most ``budget_bytes`` of them; ``has_room(nbytes)`` says
-    whether the filesystem may take more."""
+class Spares:
+    """Spare staging buffers, at most ``budget_bytes`` of them: files in ``directory`` named
+    ``<stem>-spare-<n>`` (``stem``: their owner's, ``owners.py``; ``has_room(nbytes)`` says
+    whether the filesystem may take more), or private memory when ``directory`` is None."""
 
     def __init__(
-        self, directory: Path, stem: str, budget_bytes: int, has_room: Callable[[int], bool]
+        self,
+        directory: Path | None,
+        budget_bytes: int,
+        stem: str = "",
+        has_room: Callable[[int], bool] = lambda _: True,
     ) -> None:
         self._dir = directory
         self._stem = stem
@@ -83,8 +88,8 @@ class SpareFiles:
     # -- lookups borrow, staging claims ----------------------------------------------------
 
     def lend(self, nbytes: int) -> torch.Tensor | None:
-        """A writable ``nbytes`` uint8 tensor mapping a spare file, or ``None`` (no spare
-        that large yet: the next ones will be)."""
+        """A writable ``nbytes`` uint8 tensor over a spare, or ``None`` (no spare that large
+        yet: the next ones will be)."""
         if nbytes <= 0 or self.budget_bytes <= 0:
             return None
         with self._cond:
@@ -109,8 +114,13 @@ class SpareFiles:
         (cut to its size) and return True: it is a staged file now, owned by the caller."""
         with self._cond:
             lent = self._lent.get(tensor.data_ptr())
-            if lent is None or not lent.remove.alive or _nbytes(tensor) != lent.nbytes:
-                return False  # not lent here (or a stale address): the caller copies
+            if (
+                lent is None
+                or not lent.path  # private memory: nothing to rename
+                or not lent.remove.alive  # a stale address
+                or _nbytes(tensor) != lent.nbytes
+            ):
+                return False  # not a lent file: the caller copies
             del self._lent[tensor.data_ptr()]
         try:
             os.truncate(lent.path, lent.nbytes)  # the spare was whole MiB; readers check size
@@ -158,8 +168,8 @@ class SpareFiles:
                 if self._closed:
                     return
                 self._seq += 1
-                path = str(self._dir / f"{self._stem}{SPARE_INFIX}{self._seq}")
-            spare = self._make(path, size)
+                path = f"{self._stem}{SPARE_INFIX}{self._seq}"
+            spare = self._make(path, size) if self._dir is not None else self._make_private(size)
             with self._cond:
                 if spare is not None and not self._closed:
                     self._spares.append(spare)
@@ -168,7 +178,9 @@ class SpareFiles:
                 with self._cond:
                     self._cond.wait(_RETRY_S)
 
-    def _make(self, path: str, size: int) -> _Spare | None:
+    def _make(self, name: str, size: int) -> _Spare | None:
+        assert self._dir is not None
+        path = str(self._dir / name)
         if not self._has_room(size):
             return None
         try:
@@ -188,9 +200,19 @@ class SpareFiles:
             os.close(fd)
         return _Spare(path, size, mapping, weakref.finalize(mapping, self._gone, path))
 
+    def _make_private(self, size: int) -> _Spare | None:
+        try:
+            mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous
+            _touch(mapping)
+        except OSError as exc:
+            self._log.warning("spare", "ec_redis: cannot make a spare buffer: %r", exc)
+            return None
+        return _Spare("", size, mapping, weakref.finalize(mapping, self._gone, ""))
+
     def _gone(self, path: str) -> None:
         """A spare's mapping died unclaimed (a failed read, a smaller spare dropped)."""
-        _remove(path)
+        if path:
+            _remove(path)
         with self._cond:  # reentrant: this may run inside this class's own locked code
             self._cond.notify_all()
 

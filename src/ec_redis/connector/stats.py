@@ -50,7 +50,7 @@ GAUGES: dict[str, str] = {
     "write_queue_depth": "Redis writes queued or in flight",
     "staged_bytes": "Bytes fetched and held for promised loads",
     "reserved_bytes": "Bytes reserved for lookups in flight (counted against stage_bytes)",
-    "spare_bytes": "tmpfs bytes held in spare staging files made ahead of time",
+    "spare_bytes": "Bytes held in spare staging buffers made ahead of time",
 }
 HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
     "item_mb": (

@@ -16,6 +16,7 @@ items are copied into a spare when one fits, else written into a new file.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import tempfile
@@ -30,7 +31,7 @@ import torch
 
 from ec_redis.connector import owners
 from ec_redis.connector.metadata import LoadItem
-from ec_redis.connector.spares import SpareFiles
+from ec_redis.connector.spares import Spares
 from ec_redis.connector.staging import Found
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -44,15 +45,17 @@ class InlineTransport:
 
     name = "inline"
 
-    def __init__(self) -> None:
+    def __init__(self, spare_bytes: int = 0, spares: Spares | None = None) -> None:
         self.counters = Counters()
+        # Reads land in memory faulted in ahead of time (``spares.py``).
+        self.spares = spares if spares is not None else Spares(None, spare_bytes)
 
     def stage(self, found: Found) -> Found:
         return found
 
     def lend(self, nbytes: int) -> torch.Tensor | None:
         """A buffer a lookup's read may land in (``codec/destination.py``); ``None``: any."""
-        return None
+        return self.spares.lend(nbytes)
 
     def discard(self, found: Found) -> None:
         """A staging entry died; its bytes go with it."""
@@ -67,14 +70,15 @@ class InlineTransport:
         return 0
 
     def spare_bytes(self) -> int:
-        """tmpfs bytes held in spare files made ahead of time."""
-        return 0
+        """Bytes held in spare buffers made ahead of time."""
+        return self.spares.spare_bytes()
 
     def sweep(self) -> None:
         """Drop what outlived ``in_transit_ttl_s``."""
 
     def close(self) -> None:
         """Remove everything this transport still holds."""
+        self.spares.close()
 
 
 class FileTransport(InlineTransport):
@@ -90,14 +94,12 @@ class FileTransport(InlineTransport):
         in_transit_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__()
         self._dir = Path(directory)
         owners.remove_orphans(self._dir, FILE_PREFIX)
         self._owner = owners.Owner(self._dir, FILE_PREFIX)
         self._prefix = f"{self._owner.stem}-"
-        self.spares = SpareFiles(
-            self._dir, self._owner.stem, spare_bytes, lambda nbytes: _has_room(self._dir, nbytes)
-        )
+        room = functools.partial(_has_room, self._dir)
+        super().__init__(spares=Spares(self._dir, spare_bytes, self._owner.stem, room))
         self._seq = itertools.count()
         self._ttl_s = in_transit_ttl_s
         self._clock = clock
@@ -129,9 +131,6 @@ class FileTransport(InlineTransport):
             self._refs[path] = 1
         self.counters.inc("staged_files")
         return Found(found.dtype, found.shape, path=path)
-
-    def lend(self, nbytes: int) -> torch.Tensor | None:
-        return self.spares.lend(nbytes)
 
     def _claim(self, tensor: torch.Tensor, path: str) -> bool:
         """Stage ``tensor`` as ``path`` through a spare file: the one its read landed in
@@ -191,9 +190,6 @@ class FileTransport(InlineTransport):
         with self._lock:
             return len(self._refs)
 
-    def spare_bytes(self) -> int:
-        return self.spares.spare_bytes()
-
     def close(self) -> None:
         with self._lock:
             paths = list(self._refs)
@@ -223,7 +219,7 @@ def choose(vllm_config: Any, setting: str, directory: str, spare_bytes: int = 0)
         setting = "file" if backend == "mp" and nnodes == 1 else "inline"
     if setting == "file":
         return FileTransport(directory or default_directory(), spare_bytes=spare_bytes)
-    return InlineTransport()
+    return InlineTransport(spare_bytes)
 
 
 def default_directory() -> str:

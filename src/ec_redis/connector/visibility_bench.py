@@ -13,13 +13,16 @@ after step like an engine's (an idle step does the connector's bounded wait). Mo
   spare file made ahead of time (``spares.py``);
 - ``push no spares``: the same with ``stage_spare_bytes: 0``: the item is read into fresh
   memory and written into a new tmpfs file;
-- ``push inline``: the same, with the item handed over in memory (``stage_transport:
-  inline``, as when the workers share the scheduler's process): the difference between the
-  two is the hand-off to another process, a copy the raw baseline does not make.
+- ``push inline``: the same as ``push``, with the item handed over in memory
+  (``stage_transport: inline``, as when the workers share the scheduler's process; its
+  spares are memory, not files).
 
 Next to them, on the same server: ``raw SET+GET``, one redis-py SET of the tensor's bytes
 and one GET; ``write+read``, ec_redis's own Redis write of the item (chunks, then the head)
 and its read (heads, chunks, checksum), back to back: what a waiting consumer cannot beat.
+
+Every column first runs ``WARMUP`` untimed item(s): new connections, and in the push modes
+the first ask that sizes the spare staging files. p99 is then the steady state's.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 
 from ec_redis.bench.workload import Item, activation_like
 from ec_redis.connector.bench import build_connectors, one_item
+
+WARMUP = 1  # untimed items before each column's samples
 
 MODES: dict[str, dict[str, object]] = {
     "poll": {"push_notifications": False, "recheck_s": 0.05},
@@ -78,8 +83,8 @@ def visible_after_save(
     try:
         return [
             one_item(producer, scheduler, worker, item, run, mode, forget)["visible_after_save"]
-            for run in range(runs)
-        ]
+            for run in range(WARMUP + runs)
+        ][WARMUP:]
     finally:
         for connector in (producer, scheduler, worker):
             connector.shutdown()
@@ -92,7 +97,7 @@ def raw_set_get(redis_url: str, item: Item, runs: int) -> list[float]:
     client = redis.Redis.from_url(redis_url)
     out: list[float] = []
     try:
-        for run in range(runs):
+        for run in range(WARMUP + runs):
             data = activation_like(item.rows, item.width, seed=run).view(torch.uint8)
             value = data.numpy().tobytes()
             key = f"benchvis-raw-{run}-{time.time_ns()}"
@@ -105,7 +110,7 @@ def raw_set_get(redis_url: str, item: Item, runs: int) -> list[float]:
             client.unlink(key)
     finally:
         client.close()
-    return out
+    return out[WARMUP:]
 
 
 def write_read(redis_url: str, item: Item, runs: int) -> list[float]:
@@ -119,7 +124,7 @@ def write_read(redis_url: str, item: Item, runs: int) -> list[float]:
     out: list[float] = []
     with TieredCache(config) as cache:
         assert cache.redis is not None
-        for run in range(runs):
+        for run in range(WARMUP + runs):
             tensor = activation_like(item.rows, item.width, seed=run)
             key = f"benchvis-{run}-{time.time_ns()}"
             start = time.perf_counter()
@@ -129,7 +134,7 @@ def write_read(redis_url: str, item: Item, runs: int) -> list[float]:
             if not stored or got is None or not torch.equal(got, tensor):
                 raise RuntimeError("the tier read back other bytes: refusing to report")
             cache.redis.delete(key)
-    return out
+    return out[WARMUP:]
 
 
 def _row(item: Item, mode: str, seconds: list[float]) -> VisibilityRow:
