@@ -5,8 +5,9 @@ reads, so the metadata vLLM pickles to each worker every step carries ids and si
 A staged file lives while its staging entry does, and while a load that names it is in
 transit: until the output of that step comes back (every rank ran it by then: vLLM gathers
 all ranks' outputs first), or ``in_transit_ttl_s`` as a backstop. Files are written with
-``write(2)``, never through a mapping, so a full tmpfs is an error (and the item falls back
-to inline) rather than a SIGBUS. Files a killed process left behind are removed at start
+``write(2)``, or through a mapping only where ``posix_fallocate`` reserved every block first
+(spare files), so a full tmpfs is an error (and the item falls back to inline) rather than a
+SIGBUS. Files a killed process left behind are removed at start
 (``owners.py``: a file belongs to a live process while that process holds its lock).
 
 Staging costs almost nothing when a lookup's Redis read landed in a spare file
