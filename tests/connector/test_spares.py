@@ -4,7 +4,10 @@ when nobody claims them, swept when their process dies."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import mmap
 import os
 import signal
 import subprocess
@@ -12,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +33,15 @@ MiB = 1 << 20
 
 def spare_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if is_spare(p.name))
+
+
+def spare_sizes(directory: Path) -> list[int]:
+    """Sizes of the spare files there now (the filler may remove one while we look)."""
+    sizes = []
+    for path in spare_files(directory):
+        with contextlib.suppress(FileNotFoundError):
+            sizes.append(path.stat().st_size)
+    return sizes
 
 
 def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -123,7 +136,7 @@ def test_spares_stay_within_their_budget(
     spares = Spares(tmp_path, budget, "stem")
 
     def sized(target: int) -> bool:
-        return sum(p.stat().st_size >= target for p in spare_files(tmp_path)) >= SPARES
+        return sum(size >= target for size in spare_sizes(tmp_path)) >= SPARES
 
     try:
         for nbytes, target in zip(sizes, targets, strict=True):
@@ -136,7 +149,7 @@ def test_spares_stay_within_their_budget(
                 time.sleep(0.2)  # what the filler would make, it makes in milliseconds
                 assert spare_files(tmp_path) == []
             assert spares.spare_bytes() <= budget
-            assert sum(p.stat().st_size for p in spare_files(tmp_path)) <= budget
+            assert sum(spare_sizes(tmp_path)) <= budget
     finally:
         spares.close()
     assert spare_files(tmp_path) == []
@@ -264,3 +277,67 @@ def test_inline_staging_lends_private_memory_and_replaces_it_once_used() -> None
     assert eventually(lambda: transport.spare_bytes() == SPARES * 2 * MiB)
     transport.close()
     assert transport.spare_bytes() == 0 and transport.lend(nbytes) is None
+
+
+def resident(address: int, length: int) -> int:
+    """Resident bytes of this process's memory in ``[address, address + length)``
+    (``mincore(2)``; ``address`` page-aligned)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-length // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    rc = libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec)
+    assert rc == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+def test_a_small_item_gets_no_large_spare_and_a_lent_one_keeps_only_its_own_pages() -> None:
+    spares = Spares(None, 64 * MiB)
+    assert spares.lend(16 * MiB) is None  # sizes the spares: 16 MiB
+    assert eventually(lambda: spares.spare_bytes() == SPARES * 16 * MiB)
+    assert spares.lend(1 * MiB) is None  # a 16 MiB spare for 1 MiB would idle 15 of them
+    lent = spares.lend(5 * MiB)  # within a quarter (plus a MiB): lent, the rest handed back
+    assert lent is not None
+    assert resident(lent.data_ptr(), 5 * MiB) == 5 * MiB
+    assert resident(lent.data_ptr() + 5 * MiB, 11 * MiB) == 0  # the spare's other 11 MiB
+    spares.close()
+
+
+def test_a_failed_rename_stages_the_item_by_writing_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = FileTransport(str(tmp_path), spare_bytes=8 * MiB)
+    item = embedding(1000, 1024, seed=9)
+    ready_spares(transport, item.numel() * item.element_size())
+    renames: list[str] = []
+
+    def gone(src: str, dst: str) -> None:
+        renames.append(dst)
+        raise OSError(2, "No such file or directory")
+
+    monkeypatch.setattr(os, "rename", gone)
+    staged = transport.stage(Found(item.dtype, tuple(item.shape), item))
+    assert staged.path is not None and len(renames) == 1  # tried once, not once per spare
+    assert bit_exact(read_staged(transport.load("img", staged, step=0)), item)
+    assert transport.counters.snapshot().get("stage_spare_hits", 0) == 0
+    monkeypatch.undo()
+    gc.collect()
+    assert eventually(lambda: len(spare_files(tmp_path)) == SPARES)  # the failed one went
+    transport.close()
+
+
+def test_the_filler_survives_an_unexpected_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ec_redis.connector import spares as module
+
+    failures = [RuntimeError("a bug")]
+    real_touch = module._touch
+
+    def touch(mapping: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real_touch(mapping)
+
+    monkeypatch.setattr(module, "_touch", touch)
+    spares = Spares(None, 8 * MiB)
+    assert spares.lend(MiB) is None
+    assert eventually(lambda: spares.spare_bytes() == SPARES * MiB) and not failures
+    spares.close()

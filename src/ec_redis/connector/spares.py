@@ -40,6 +40,7 @@ from ec_redis.logutil import RateLimitedLog
 SPARE_INFIX = "-spare-"  # in the names of spare files (after their owner's stem)
 SPARES = 2  # spare files kept of the size recent items needed
 GRAIN = 1 << 20  # spare sizes are whole MiB
+SLACK = 4  # a spare is lent only to an item of at least a quarter of its size (less a MiB)
 _RECENT = 16  # item sizes remembered to size the next spares
 _RETRY_S = 1.0  # after a failed spare, the filler rests this long
 
@@ -97,7 +98,7 @@ class Spares:
                 return None
             self._recent.append(-(-nbytes // GRAIN) * GRAIN)
             self._start_locked()
-            fitting = [s for s in self._spares if s.size >= nbytes]
+            fitting = [s for s in self._spares if nbytes <= s.size <= SLACK * nbytes + GRAIN]
             if not fitting:
                 self._cond.notify_all()
                 return None
@@ -106,12 +107,16 @@ class Spares:
             tensor = torch.frombuffer(spare.mapping, dtype=torch.uint8, count=nbytes)
             self._lent = {a: lent for a, lent in self._lent.items() if lent.remove.alive}
             self._lent[tensor.data_ptr()] = _Lent(spare.path, nbytes, spare.remove)
+        if not spare.path:
+            _release_tail(spare.mapping, nbytes)  # a file's tail goes when claim cuts it
         # Not replaced yet: making a spare now would compete with the read it serves.
         return tensor
 
     def claim(self, tensor: torch.Tensor, path: str) -> bool:
         """If ``tensor`` is exactly the bytes of a lent file, rename that file to ``path``
-        (cut to its size) and return True: it is a staged file now, owned by the caller."""
+        (cut to its size) and return True: it is a staged file now, owned by the caller.
+        False: not a lent file. ``OSError``: it was, but could not be renamed (the lent file
+        then goes with its tensor)."""
         with self._cond:
             lent = self._lent.get(tensor.data_ptr())
             if (
@@ -122,12 +127,8 @@ class Spares:
             ):
                 return False  # not a lent file: the caller copies
             del self._lent[tensor.data_ptr()]
-        try:
-            os.truncate(lent.path, lent.nbytes)  # the spare was whole MiB; readers check size
-            os.rename(lent.path, path)
-        except OSError as exc:  # the directory went away: the caller writes a file itself
-            self._log.warning("spare-claim", "ec_redis: cannot stage a spare file: %r", exc)
-            return False
+        os.truncate(lent.path, lent.nbytes)  # the spare was whole MiB; readers check size
+        os.rename(lent.path, path)
         lent.remove.detach()  # ``path`` is the caller's to remove now
         with self._cond:
             self._cond.notify_all()  # the read it served is over: replace it
@@ -146,8 +147,9 @@ class Spares:
         fits = [size for size in self._recent if size * SPARES <= self.budget_bytes]
         return max(fits, default=0)
 
-    def _next_locked(self) -> int:
-        """Bytes of the next spare to make now, or 0; drops spares too small to be used."""
+    def _next_locked(self, dropped: list[_Spare]) -> int:
+        """Bytes of the next spare to make now, or 0; moves spares too small to be used into
+        ``dropped`` (the caller lets go of them outside the lock: unmapping takes time)."""
         size = self._target_locked()
         if size == 0:
             return 0
@@ -158,18 +160,26 @@ class Spares:
             if small.size >= size:
                 return 0
             self._spares.remove(small)  # its finalizer removes the file with the mapping
+            dropped.append(small)
         return size if self.spare_bytes_locked() + size <= self.budget_bytes else 0
 
     def _fill(self) -> None:
         while True:
+            dropped: list[_Spare] = []
             with self._cond:
-                while not self._closed and (size := self._next_locked()) == 0:
+                size = 0
+                while not self._closed and (size := self._next_locked(dropped)) == 0:
                     self._cond.wait()
                 if self._closed:
                     return
                 self._seq += 1
-                path = f"{self._stem}{SPARE_INFIX}{self._seq}"
-            spare = self._make(path, size) if self._dir is not None else self._make_private(size)
+                name = f"{self._stem}{SPARE_INFIX}{self._seq}"
+            dropped.clear()
+            try:
+                spare = self._make(name, size) if self._dir is not None else self._private(size)
+            except Exception as exc:  # spares are an optimisation: never let the thread die
+                self._log.warning("spare", "ec_redis: cannot make a spare: %r", exc)
+                spare = None
             with self._cond:
                 if spare is not None and not self._closed:
                     self._spares.append(spare)
@@ -192,21 +202,16 @@ class Spares:
             os.posix_fallocate(fd, 0, size)  # the blocks exist before anything is mapped
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             _touch(mapping)
-        except OSError as exc:
-            self._log.warning("spare", "ec_redis: cannot make a spare file: %r", exc)
+        except BaseException:
             _remove(path)
-            return None
+            raise
         finally:
             os.close(fd)
         return _Spare(path, size, mapping, weakref.finalize(mapping, self._gone, path))
 
-    def _make_private(self, size: int) -> _Spare | None:
-        try:
-            mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous
-            _touch(mapping)
-        except OSError as exc:
-            self._log.warning("spare", "ec_redis: cannot make a spare buffer: %r", exc)
-            return None
+    def _private(self, size: int) -> _Spare:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous
+        _touch(mapping)
         return _Spare("", size, mapping, weakref.finalize(mapping, self._gone, ""))
 
     def _gone(self, path: str) -> None:
@@ -245,6 +250,14 @@ def _touch(mapping: mmap.mmap) -> None:
     view = numpy.frombuffer(mapping, dtype=numpy.uint8)
     view[:] = 0
     del view  # no export may outlive this: the mapping's lifetime is its tensors'
+
+
+def _release_tail(mapping: mmap.mmap, nbytes: int) -> None:
+    """Give back the pages of private memory past ``nbytes``: staging counts only those."""
+    start = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if start < len(mapping):
+        with contextlib.suppress(OSError):  # only memory held a little longer
+            mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
 
 
 def is_spare(name: str) -> bool:

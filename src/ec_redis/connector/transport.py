@@ -136,14 +136,18 @@ class FileTransport(InlineTransport):
     def _claim(self, tensor: torch.Tensor, path: str) -> bool:
         """Stage ``tensor`` as ``path`` through a spare file: the one its read landed in
         (a rename), else a free one (a copy into pages allocated ahead of time)."""
-        claimed = self.spares.claim(tensor, path)
-        if not claimed:
-            spare = self.spares.lend(tensor.numel() * tensor.element_size())
-            if spare is None:
-                return False
-            spare.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-            claimed = self.spares.claim(spare, path)
-            del spare  # the claimed file is no longer this process's mapping to keep
+        try:
+            claimed = self.spares.claim(tensor, path)
+            if not claimed:
+                spare = self.spares.lend(tensor.numel() * tensor.element_size())
+                if spare is None:
+                    return False
+                spare.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+                claimed = self.spares.claim(spare, path)
+                del spare  # the claimed file is no longer this process's mapping to keep
+        except OSError as exc:  # the directory went away: the caller writes a file itself
+            self._log.warning("spare-claim", "ec_redis: cannot stage a spare file: %r", exc)
+            return False
         if claimed:
             with self._lock:
                 self._refs[path] = 1
