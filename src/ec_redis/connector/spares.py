@@ -40,7 +40,7 @@ from ec_redis.logutil import RateLimitedLog
 SPARE_INFIX = "-spare-"  # in the names of spare files (after their owner's stem)
 SPARES = 2  # spare files kept of the size recent items needed
 GRAIN = 1 << 20  # spare sizes are whole MiB
-SLACK = 4  # a spare is lent only to an item of at least a quarter of its size (less a MiB)
+SLACK = 4  # a spare of S bytes is lent only to an item of at least (S - GRAIN) / SLACK bytes
 _RECENT = 16  # item sizes remembered to size the next spares
 _RETRY_S = 1.0  # after a failed spare, the filler rests this long
 
