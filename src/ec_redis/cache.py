@@ -148,11 +148,12 @@ class TieredCache:
             for key, host_tensor in self._redis_get_many(remote).items():
                 if host_tensor is None:
                     continue
-                if destination.is_lent(host_tensor):  # the caller's: not ours to keep in a tier
-                    host = HostCopy(host_tensor)
-                    out[key] = host_tensor if on_host else self.transfer.to_device(host)
-                else:
+                if not destination.is_lent(host_tensor):
                     out[key] = self._promote(key, HostCopy(host_tensor), on_host)
+                elif on_host:  # the caller's buffer: not ours to keep in a tier
+                    out[key] = host_tensor
+                else:
+                    out[key] = self.transfer.to_device(HostCopy(host_tensor))
         hits = sum(v is not None for v in out.values())
         self.counters.inc("hits", hits)
         self.counters.inc("misses", len(out) - hits)

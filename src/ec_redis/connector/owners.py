@@ -91,5 +91,12 @@ def remove_orphans(directory: Path, family: str) -> int:
     return removed
 
 
+def remove(path: str | Path) -> None:
+    """Unlink an owned file; one already gone, or one that cannot go (the start-up sweep
+    retries), is not an error."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def _belongs(name: str, stem: str) -> bool:
     return name.startswith(stem) and name[len(stem) : len(stem) + 1] in ("-", ".")

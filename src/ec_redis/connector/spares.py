@@ -35,7 +35,9 @@ from pathlib import Path
 import numpy
 import torch
 
+from ec_redis.connector import owners
 from ec_redis.logutil import RateLimitedLog
+from ec_redis.tiers.base import tensor_nbytes
 
 SPARE_INFIX = "-spare-"  # in the names of spare files (after their owner's stem)
 SPARES = 2  # spare files kept of the size recent items needed
@@ -123,7 +125,8 @@ class Spares:
                 lent is None
                 or not lent.path  # private memory: nothing to rename
                 or not lent.remove.alive  # a stale address
-                or _nbytes(tensor) != lent.nbytes
+                or not tensor.is_contiguous()
+                or tensor_nbytes(tensor) != lent.nbytes
             ):
                 return False  # not a lent file: the caller copies
             del self._lent[tensor.data_ptr()]
@@ -203,7 +206,7 @@ class Spares:
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             _touch(mapping)
         except BaseException:
-            _remove(path)
+            owners.remove(path)
             raise
         finally:
             os.close(fd)
@@ -217,7 +220,7 @@ class Spares:
     def _gone(self, path: str) -> None:
         """A spare's mapping died unclaimed (a failed read, a smaller spare dropped)."""
         if path:
-            _remove(path)
+            owners.remove(path)
         with self._cond:  # reentrant: this may run inside this class's own locked code
             self._cond.notify_all()
 
@@ -263,12 +266,3 @@ def _release_tail(mapping: mmap.mmap, nbytes: int) -> None:
 def is_spare(name: str) -> bool:
     """Whether a file name in a staging directory is a spare's (not a staged item's)."""
     return SPARE_INFIX in name
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size() if tensor.is_contiguous() else -1
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):  # gone already; the start-up sweep catches the rest
-        os.unlink(path)

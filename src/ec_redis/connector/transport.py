@@ -114,46 +114,43 @@ class FileTransport(InlineTransport):
         tensor = found.tensor
         if tensor is None:
             return found
-        nbytes = found.nbytes
         path = str(self._dir / f"{self._prefix}{next(self._seq)}")
-        if self._claim(tensor, path):
-            return Found(found.dtype, found.shape, path=path)
-        if not _has_room(self._dir, nbytes):
-            self.counters.inc("stage_inline_fallbacks")
-            return found
-        try:
-            _write_file(path, tensor)
-        except OSError as exc:  # tmpfs full or gone: inline is slower, never wrong
-            self.counters.inc("stage_inline_fallbacks")
-            self._log.warning("stage-file", "ec_redis: cannot stage to %s: %r", path, exc)
-            _remove(path)
+        if self._through_spare(tensor, found.nbytes, path):
+            self.counters.inc("stage_spare_hits")
+        elif not self._write_new(tensor, found.nbytes, path):
+            self.counters.inc("stage_inline_fallbacks")  # inline is slower, never wrong
             return found
         with self._lock:
             self._refs[path] = 1
         self.counters.inc("staged_files")
         return Found(found.dtype, found.shape, path=path)
 
-    def _claim(self, tensor: torch.Tensor, path: str) -> bool:
+    def _through_spare(self, tensor: torch.Tensor, nbytes: int, path: str) -> bool:
         """Stage ``tensor`` as ``path`` through a spare file: the one its read landed in
         (a rename), else a free one (a copy into pages allocated ahead of time)."""
         try:
-            claimed = self.spares.claim(tensor, path)
-            if not claimed:
-                spare = self.spares.lend(tensor.numel() * tensor.element_size())
-                if spare is None:
-                    return False
-                spare.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-                claimed = self.spares.claim(spare, path)
-                del spare  # the claimed file is no longer this process's mapping to keep
-        except OSError as exc:  # the directory went away: the caller writes a file itself
+            if self.spares.claim(tensor, path):
+                return True
+            spare = self.spares.lend(nbytes)
+            if spare is None:
+                return False
+            spare.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            return self.spares.claim(spare, path)  # our mapping of it goes with ``spare``
+        except OSError as exc:  # the directory went away: a new file is tried instead
             self._log.warning("spare-claim", "ec_redis: cannot stage a spare file: %r", exc)
             return False
-        if claimed:
-            with self._lock:
-                self._refs[path] = 1
-            self.counters.inc("staged_files")
-            self.counters.inc("stage_spare_hits")
-        return claimed
+
+    def _write_new(self, tensor: torch.Tensor, nbytes: int, path: str) -> bool:
+        """Stage ``tensor`` as a new file ``path``; False if the tmpfs is full or gone."""
+        if not _has_room(self._dir, nbytes):
+            return False
+        try:
+            _write_file(path, tensor)
+        except OSError as exc:
+            self._log.warning("stage-file", "ec_redis: cannot stage to %s: %r", path, exc)
+            owners.remove(path)
+            return False
+        return True
 
     def discard(self, found: Found) -> None:
         if found.path is not None:
@@ -189,7 +186,7 @@ class FileTransport(InlineTransport):
                 self._refs[path] = holders
                 return
             self._refs.pop(path, None)
-        _remove(path)
+        owners.remove(path)
 
     def live_files(self) -> int:
         with self._lock:
@@ -201,7 +198,7 @@ class FileTransport(InlineTransport):
             self._refs.clear()
             self._in_transit.clear()
         for path in paths:
-            _remove(path)
+            owners.remove(path)
         self.spares.close()
         self._owner.close()
 
@@ -266,15 +263,6 @@ def _write_file(path: str, tensor: torch.Tensor) -> None:
             done += os.write(fd, data[done:])
     finally:
         os.close(fd)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError:  # nothing a worker can do about it; the start-up sweep retries
-        pass
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
