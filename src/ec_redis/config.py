@@ -368,6 +368,15 @@ class ConnectorOptions:
             "ec_consumer: how long a request waits for an item to appear in Redis.",
         ),
     )
+    fetch_wait_s: float = field(
+        default=10.0,
+        metadata=_key(
+            _float_at_least(0.0),
+            "10.0",
+            "Consumers: longest a request waits on one lookup in flight (a paused or slow "
+            "Redis); then the item counts as undeliverable (on_missing decides).",
+        ),
+    )
     on_missing: str = field(
         default="encode",
         metadata=_key(

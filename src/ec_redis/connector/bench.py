@@ -37,17 +37,19 @@ class IdleStep:
 IDLE_STEP = IdleStep()
 
 
-def vllm_request(request_id: str, *items: tuple[str, int]) -> Any:
+def vllm_request(request_id: str, *items: tuple[str, int], media: bool = True) -> Any:
     """A real ``vllm.v1.request.Request`` (status WAITING, nothing computed) whose image
-    items ``(identifier, num_embeds)`` sit one after another from token 4."""
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    items ``(identifier, num_embeds)`` sit one after another from token 4; ``media=False``:
+    metadata-only items (no data to encode, as an EPD proxy sends PD)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
     features, offset = [], 4
     for identifier, rows in items:
         position = PlaceholderRange(offset=offset, length=rows)
-        features.append(MultiModalFeatureSpec(None, "image", identifier, position))
+        data = MultiModalKwargsItem.dummy() if media else None
+        features.append(MultiModalFeatureSpec(data, "image", identifier, position))
         offset += rows + 2
     return Request(
         request_id=request_id,

@@ -20,11 +20,20 @@ from typing import Any
 from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.ids import is_request_scoped
-from ec_redis.connector.staging import ABSENT, FETCHING, Stager
+from ec_redis.connector.staging import ABSENT, FETCHING, STAGED, Found, Stager
 from ec_redis.stats import Counters
 
 MAX_REQUESTS = 65536  # request records; vLLM finishes every request, this is a backstop
 Needed = list[tuple[int, str, str]]  # (index into mm_features, identifier, modality)
+
+
+def rows_by_item(request: Any) -> dict[str, set[int]]:
+    """The embedding rows of every feature of ``request``, by identifier (a client id reused
+    for items of other sizes has several)."""
+    out: dict[str, set[int]] = {}
+    for index, feature in enumerate(request.mm_features):
+        out.setdefault(feature.identifier, set()).add(request.get_num_encoder_embeds(index))
+    return out
 
 
 @dataclass(eq=False)
@@ -54,18 +63,27 @@ class RequestGate:
         self._is_consumer = is_consumer
         # A pure consumer waits for items its encoder instance is still writing.
         self._wait_s = options.consumer_wait_s if is_consumer and not is_producer else 0.0
+        # Only a pure consumer may be told never to encode (ec_both encodes what it misses).
+        self._fail_on_missing = options.on_missing == "fail" and is_consumer and not is_producer
         self.counters = counters
         self._clock = clock
         self._records: dict[str, RequestRecord] = {}
         self._unavailable: set[str] = set()
+        # Per step (reset by ``new_step``): for each request ``ready`` let through, the
+        # staged items a "yes" may promise (``has_cache_item`` answers from these alone).
+        self.verdicts: dict[str, dict[str, Found]] = {}
         self.held_this_step = False  # reset by the scheduler half at the end of each step
 
     def ready(self, request: Any, num_computed_tokens: int) -> bool:
         """Whether vLLM may schedule the request's items now; False holds it this step."""
+        request_id = request.request_id
+        self.verdicts.pop(request_id, None)
+        if request_id in self._unavailable:
+            return self._hold()  # failed: held until vLLM takes it from take_unavailable
         needed = self._needed(request, num_computed_tokens)
         if not needed:
             return True
-        request_id = request.request_id
+
         now = self._clock()
         record = self._records.get(request_id)
         if record is None:
@@ -76,7 +94,7 @@ class RequestGate:
         if self._is_consumer:
             ready, next_look = self._evaluate_loads(request, record, needed, now)
         else:
-            ready, next_look = self._evaluate_published(request_id, record, needed, now)
+            ready, next_look = self._evaluate_published(request, record, needed, now)
         if ready:
             record.held_at = -1
             return True
@@ -118,62 +136,119 @@ class RequestGate:
     def _evaluate_loads(
         self, request: Any, record: RequestRecord, needed: Needed, now: float
     ) -> tuple[bool, float]:
-        """Consumers: ready once every needed item is staged, refused, or given up on."""
+        """Consumers: ready once every needed item is staged or cannot be delivered; the
+        staged ones that fit every feature naming them become the request's verdicts. An
+        item that cannot be delivered is encoded locally, or, under ``on_missing: fail`` or
+        when a feature naming it carries no media, fails the request."""
         request_id = request.request_id
-        ready, next_look = True, math.inf
+        next_look = math.inf
+        wait_deadline = record.first_seen + self._wait_s
+        waiting: set[str] = set()
+        blocked: dict[str, str] = {}  # item -> why it cannot be delivered
+        verdicts: dict[str, Found] = {}
+        rows = rows_by_item(request)
         look: list[tuple[str, str, int]] = []
         for index, item, modality in needed:
             entry = self._stager.get(item)
-            if entry is None:
-                rows = request.get_num_encoder_embeds(index)
-                look.append((item, modality, self._check.reserve(modality, rows)))
-                continue
-            if request_id not in entry.wanted_by:
+            if entry is not None and request_id not in entry.wanted_by:
                 self._stager.want(entry, request_id)
                 record.wanted.add(item)
-            if entry.state == FETCHING:
-                ready = False
-            elif entry.state == ABSENT:
-                deadline = record.first_seen + self._wait_s
+            state = None if entry is None else entry.state
+            if entry is None or state == ABSENT:
+                if entry is not None and now >= wait_deadline:
+                    blocked[item] = "absent"
+                    continue
+                waiting.add(item)
+                due = now if entry is None else entry.since + self._options.recheck_s
+                if now >= due:  # looked up now: its return bumps the generation
+                    reserve = self._check.reserve(modality, request.get_num_encoder_embeds(index))
+                    look.append((item, modality, reserve))
+                    next_look = min(next_look, now + self._options.fetch_wait_s)
+                else:
+                    next_look = min(next_look, due, wait_deadline)
+            elif state == FETCHING:
+                assert entry is not None
+                deadline = entry.since + self._options.fetch_wait_s
                 if now >= deadline:
-                    if self._fail_missing(request_id):
-                        ready = False  # held until vLLM fails it
-                    continue  # encode it locally
-                ready = False
-                due = entry.since + self._options.recheck_s
-                if now >= due:
-                    rows = request.get_num_encoder_embeds(index)
-                    look.append((item, modality, self._check.reserve(modality, rows)))
-                next_look = min(next_look, due, deadline)
-            # STAGED and REFUSED decide nothing more here (has_cache_item checks rows)
-        if look and self._start(look, request_id, record):
-            ready = False
-        return ready, next_look
+                    blocked[item] = "timeout"  # a paused or stuck Redis: wait no longer
+                    continue
+                waiting.add(item)
+                next_look = min(next_look, deadline)
+            elif state == STAGED and entry is not None and entry.found is not None:
+                found = entry.found
+                if not found.loadable:
+                    blocked[item] = "refused"
+                elif rows[item] != {found.rows}:
+                    # A client id reused for items of other sizes: whichever feature vLLM
+                    # asks about, a yes must be right for it, so none gets one.
+                    blocked[item] = "rows"
+                else:
+                    verdicts[item] = found
+            else:  # REFUSED: wrong dtype or width, or no room once its real size was known
+                blocked[item] = "refused"
+        if look:
+            _, refused = self._stager.fetch(look, request_id)
+            record.wanted.update(item for item, _, _ in look if item not in refused)
+            for item in set(refused):  # staging is full now: that may pass
+                if self._must_deliver(request, item) and now < wait_deadline:
+                    next_look = min(next_look, now + self._options.recheck_s)
+                else:
+                    waiting.discard(item)
+                    blocked[item] = "stage_full"
+        failing = [item for item in blocked if self._must_deliver(request, item)]
+        if failing:
+            self.fail(request_id, blocked[failing[0]])
+            return False, math.inf  # held until vLLM fails it
+        if waiting:
+            return False, next_look
+        reused = sum(why == "rows" for why in blocked.values())
+        if reused:
+            self.counters.inc("rejected_items", reused)
+        self.verdicts[request_id] = verdicts
+        return True, math.inf
+
+    def _must_deliver(self, request: Any, item: str) -> bool:
+        """Whether ``item`` may not be encoded here: ``on_missing: fail`` on a pure
+        consumer, or a feature naming it carries no media (vLLM's runner would skip its
+        encode, and the gather would crash the step)."""
+        if self._fail_on_missing:
+            return True
+        return any(f.identifier == item and f.data is None for f in request.mm_features)
 
     def _evaluate_published(
-        self, request_id: str, record: RequestRecord, needed: Needed, now: float
+        self, request: Any, record: RequestRecord, needed: Needed, now: float
     ) -> tuple[bool, float]:
         """Pure producers: hold a request at most ``producer_check_wait_s`` while its
-        "already published?" checks run; after that, whatever is not known is encoded."""
+        "already published?" checks run; after that, whatever is not known is encoded.
+        Verdicts: the items published whole, with the rows every feature naming them has."""
+        request_id = request.request_id
         deadline = record.first_seen + self._options.producer_check_wait_s
-        if now >= deadline:
-            return True, math.inf  # too late for a check to spare this request's encoder
+        checking = now < deadline  # else too late for a check to spare the encoder
         look: list[tuple[str, str, int]] = []
         in_flight = False
+        verdicts: dict[str, Found] = {}
+        rows = rows_by_item(request)
         for _, item, modality in needed:
             entry = self._stager.get(item)
             if entry is None or (
                 entry.state == ABSENT and now >= entry.since + self._options.recheck_s
             ):
-                look.append((item, modality, 0))
+                if checking:
+                    look.append((item, modality, 0))
                 continue
             if request_id not in entry.wanted_by:
                 self._stager.want(entry, request_id)
                 record.wanted.add(item)
             in_flight |= entry.state == FETCHING
+            found = entry.found if entry.state == STAGED else None
+            if found is not None and rows[item] == {found.rows}:
+                verdicts[item] = found
         if look and self._start(look, request_id, record):
             in_flight = True
-        return (False, deadline) if in_flight else (True, math.inf)
+        if checking and in_flight:
+            return False, deadline
+        self.verdicts[request_id] = verdicts
+        return True, math.inf
 
     def _start(
         self, look: list[tuple[str, str, int]], request_id: str, record: RequestRecord
@@ -182,14 +257,23 @@ class RequestGate:
         record.wanted.update(item for item, _, _ in look if item not in refused)
         return len(refused) < len(look)  # something is on its way (started or joined)
 
-    def _fail_missing(self, request_id: str) -> bool:
-        """on_missing="fail" (pure consumers): fail the request instead of encoding."""
-        if self._options.on_missing != "fail" or self._is_producer:
-            return False
+    def fail(self, request_id: str, why: str) -> None:
+        """Fail the request as retryable (vLLM takes it from ``take_unavailable``); ``why``
+        names the counter: absent, timeout, stage_full, refused, rows or error."""
         if request_id not in self._unavailable:
             self._unavailable.add(request_id)
             self.counters.inc("unavailable_requests")
-        return True
+            self.counters.inc(f"unavailable_{why}")
+        self.verdicts.pop(request_id, None)
+
+    def must_fail_on_error(self, request: Any) -> bool:
+        """A hook failed for ``request``: whether a local encode is impossible for it."""
+        if self._fail_on_missing:
+            return True
+        try:
+            return any(f.data is None for f in request.mm_features)
+        except Exception:  # unreadable features: vLLM cannot encode them either way
+            return False
 
     def let_go(self, request_id: str, item: str) -> None:
         """The request no longer needs ``item`` (loaded, or consumed)."""
@@ -202,6 +286,7 @@ class RequestGate:
         """The request ended (finished or aborted): every trace of it goes."""
         record = self._records.pop(request_id, None)
         self._unavailable.discard(request_id)
+        self.verdicts.pop(request_id, None)
         if record is not None:
             for item in record.wanted:
                 self._stager.release(item, request_id)
@@ -211,8 +296,17 @@ class RequestGate:
         return failed
 
     def sizes(self) -> dict[str, int]:
-        return {"requests": len(self._records), "unavailable": len(self._unavailable)}
+        return {
+            "requests": len(self._records),
+            "unavailable": len(self._unavailable),
+            "verdicts": len(self.verdicts),
+        }
+
+    def new_step(self) -> None:
+        self.verdicts.clear()
+        self.held_this_step = False
 
     def clear(self) -> None:
         self._records.clear()
         self._unavailable.clear()
+        self.verdicts.clear()

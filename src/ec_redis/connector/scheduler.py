@@ -43,7 +43,7 @@ from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.gate import RequestGate
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
 from ec_redis.connector.pending import PendingWork
-from ec_redis.connector.staging import STAGED, Found, Stager
+from ec_redis.connector.staging import Found, Stager
 from ec_redis.connector.transport import InlineTransport
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -82,6 +82,7 @@ class SchedulerSide:
             discard=self._transport.discard,
             clock=clock,
             on_fetch=self._observe_fetch,
+            outside=self._transport.outside_bytes,
         )
         self._gate = RequestGate(
             self._stager,
@@ -94,7 +95,7 @@ class SchedulerSide:
         )
         # Per step (reset by build_connector_meta).
         self._current: Any = None  # the request ensure_cache_available saw last
-        self._answers: dict[str, Found] = {}
+        self._answers: dict[tuple[str, str], Found] = {}  # (request id, item): promised
         self._loads: dict[str, LoadItem] = {}
         self._step_start: float | None = None
         self._step = 0  # numbers the metadata; workers acknowledge the steps they ran
@@ -140,14 +141,31 @@ class SchedulerSide:
             return self._gate.ready(request, num_computed_tokens)
         except Exception as exc:
             self.internal_error("ensure_cache_available", exc)
+            request_id = getattr(request, "request_id", None)
+            if isinstance(request_id, str):
+                self._gate.verdicts.pop(request_id, None)  # no promise for it this step
+                if self._gate.must_fail_on_error(request):
+                    self._gate.fail(request_id, "error")
+                    return False  # a local encode is impossible or not allowed
             return True  # let vLLM encode whatever we cannot vouch for
 
     def has_cache_item(self, identifier: str) -> bool:
-        # Only this answer may become this request's load: one given to another request this
-        # step (which vLLM then did not schedule) must not stand in for a "no" now.
-        self._answers.pop(identifier, None)
+        """Yes only for a verdict ``ensure_cache_available`` gave the request vLLM is
+        scheduling: an item staged here whose rows fit every feature of that request naming
+        it. The yes holds its bytes until the end of the step, so the load it becomes
+        always has them."""
+        found: Found | None = None
+        request_id = ""
         try:
-            found = self._answer(identifier)
+            request = self._current
+            if request is not None:
+                request_id = request.request_id
+                verdicts = self._gate.verdicts.get(request_id)
+                found = None if verdicts is None else verdicts.get(identifier)
+                if found is not None and (request_id, identifier) not in self._answers:
+                    if self._is_consumer:
+                        self._transport.hold(found)
+                    self._answers[(request_id, identifier)] = found
         except Exception as exc:
             self.internal_error("has_cache_item", exc)
             found = None
@@ -159,63 +177,38 @@ class SchedulerSide:
             self.counters.inc("skipped_encodes")  # published already: the encoder skips it
         return True
 
-    def _answer(self, identifier: str) -> Found | None:
-        entry = self._stager.get(identifier)
-        found = entry.found if entry is not None and entry.state == STAGED else None
-        if found is None or (self._is_consumer and not found.loadable):
-            return None
-        rows = self._expected_rows(identifier)
-        if rows is None:
-            return None  # asked outside the request's own scheduling: cannot vouch for rows
-        if found.rows != rows:
-            self.counters.inc("rejected_items")
-            self._log.warning(
-                "rows", "ec_redis: cached item %r has %d rows, the request expects %d; "
-                "encoding it", identifier, found.rows, rows,
-            )  # fmt: skip
-            return None
-        self._answers[identifier] = found
-        return found
-
-    def _expected_rows(self, identifier: str) -> int | None:
-        request = self._current
-        if request is None:
-            return None
-        for index, feature in enumerate(request.mm_features):
-            if feature.identifier == identifier:
-                rows: int = request.get_num_encoder_embeds(index)
-                return rows
-        return None
-
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         try:
             item = request.mm_features[index].identifier
-            found = self._answers.get(item)
+            found = self._answers.get((request.request_id, item))
             if found is None:
                 return  # encoded locally
-            if self._is_consumer and found.loadable:
+            if self._is_consumer:
                 if request.get_num_encoder_embeds(index) != found.rows:
-                    # vLLM asked about another request's item than the one it allocates:
-                    # never load a tensor of the wrong size (vLLM encodes; we said yes to
-                    # a request it did not schedule). Unreachable through vLLM's Scheduler.
+                    # The verdict covered every feature of this request naming ``item``.
                     self.counters.inc("promise_mismatches")
                     return
-                self._loads[item] = self._transport.load(item, found, self._step)  # the promise
+                if item not in self._loads:
+                    self._loads[item] = self._transport.load(item, found, self._step)
             self._gate.let_go(request.request_id, item)
         except Exception as exc:
             self.internal_error("update_state_after_alloc", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECRedisMetadata:
         meta = ECRedisMetadata(loads=list(self._loads.values()), step=self._step)
-        self._loads, self._answers, self._current = {}, {}, None
+        answers, self._loads, self._answers, self._current = self._answers, {}, {}, None
         self._step += 1
         try:
+            if self._is_consumer:
+                for found in answers.values():
+                    self._transport.unhold(found)  # its load (if any) holds its own
             if self._idle(scheduler_output):
                 self._wait_for_lookups()
             self._housekeeping()
         except Exception as exc:
             self.internal_error("build_connector_meta", exc)
-        self._step_start, self._gate.held_this_step = None, False
+        self._step_start = None
+        self._gate.new_step()
         return meta
 
     @staticmethod
@@ -307,6 +300,7 @@ class SchedulerSide:
         out = self._stager.live_state()
         out.update(self._gate.sizes(), answers=len(self._answers), loads=len(self._loads))
         out["files"] = self._transport.live_files()
+        out["buffers"] = self._transport.live_buffers()
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -317,6 +311,7 @@ class SchedulerSide:
                 out[name] = out.get(name, 0) + value
         out["staged_bytes"] = self._stager.staged_bytes
         out["reserved_bytes"] = self._stager.reserved_bytes
+        out["transit_bytes"] = self._transport.outside_bytes()
         out["spare_bytes"] = self._transport.spare_bytes()
         return out
 

@@ -11,8 +11,9 @@ An entry's life::
 It dies when the last request that wants it lets go (loaded, freed, finished, aborted), or
 after ``idle_ttl_s`` untouched (a safety net, never the mechanism). A lookup in flight keeps
 its reservation until it returns, even if nobody wants the result any more: the bytes are
-being allocated by then. Staged plus reserved bytes never exceed ``stage_bytes`` (an item
-larger than the whole budget is never staged: it is encoded locally), and the table never
+being allocated by then. Staged plus reserved bytes, plus the bytes of dead entries that
+promises and loads in transit still hold (``outside``: ``transport.py``), never exceed
+``stage_bytes`` (an item larger than the whole budget is never staged), and the table never
 holds more than ``max_items`` entries.
 """
 
@@ -100,8 +101,10 @@ class Stager:
         discard: Discard | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_fetch: Callable[[float], None] | None = None,
+        outside: Callable[[], int] | None = None,
     ) -> None:
         self._lookup = lookup
+        self._outside = outside or (lambda: 0)
         self._check = check
         self._keep = keep
         self._discard = discard
@@ -178,7 +181,12 @@ class Stager:
     def _has_room_locked(self, new_entry: bool, reserve: int) -> bool:
         if new_entry and len(self._entries) >= self.max_items:
             return False
-        return self.staged_bytes + self.reserved_bytes + reserve <= self.stage_bytes
+        return self._used_locked() + reserve <= self.stage_bytes
+
+    def _used_locked(self) -> int:
+        """Every staged byte that exists or is reserved: entries, lookups in flight, and
+        dead entries' bytes that promises and loads in transit still hold."""
+        return self.staged_bytes + self.reserved_bytes + self._outside()
 
     def _submit(self, batch: list[str]) -> None:
         with contextlib.suppress(RuntimeError):  # closed meanwhile: close() dropped them all
@@ -310,7 +318,7 @@ class Stager:
             )
             return False
         size = result.nbytes
-        if self.staged_bytes + self.reserved_bytes + size > self.stage_bytes:
+        if self._used_locked() + size > self.stage_bytes:
             entry.state = REFUSED  # bigger than its reservation, and no room for the rest
             self.counters.inc("stage_overflow")
             return False
@@ -358,6 +366,7 @@ class Stager:
                 "items": len(self._entries),
                 "staged_bytes": self.staged_bytes,
                 "reserved_bytes": self.reserved_bytes,
+                "transit_bytes": self._outside(),
                 "stage_bytes": self.stage_bytes,
                 "lookups_in_flight": self.in_flight,
             }

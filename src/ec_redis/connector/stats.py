@@ -35,6 +35,12 @@ COUNTERS: dict[str, str] = {
     "rejected_items": "Fetched items refused because dtype/width/rows disagreed with the request",
     "local_fallbacks": "Items encoded locally because the cache could not provide them",
     "unavailable_requests": "Requests failed as retryable because an item was unavailable",
+    "unavailable_absent": "Requests failed: an item was still missing after consumer_wait_s",
+    "unavailable_timeout": "Requests failed: a lookup was in flight longer than fetch_wait_s",
+    "unavailable_stage_full": "Requests failed: staging had no room for an item in time",
+    "unavailable_refused": "Requests failed: a fetched item had the wrong dtype, width or size",
+    "unavailable_rows": "Requests failed: one id named items of different sizes",
+    "unavailable_error": "Requests failed: an internal error where no local encode is possible",
     "waits": "Scheduler steps a request was held back waiting for an item",
     "skipped_encodes": "Items a producer did not encode because they were already published",
     "stage_full": "Items encoded locally because staging had no room (stage_bytes)",
@@ -50,6 +56,7 @@ GAUGES: dict[str, str] = {
     "write_queue_depth": "Redis writes queued or in flight",
     "staged_bytes": "Bytes fetched and held for promised loads",
     "reserved_bytes": "Bytes reserved for lookups in flight (counted against stage_bytes)",
+    "transit_bytes": "Staged bytes kept only by loads in transit (counted against stage_bytes)",
     "spare_bytes": "Bytes held in spare staging buffers made ahead of time",
 }
 HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
