@@ -10,7 +10,7 @@ from typing import Any
 from ec_redis.cache import TieredCache
 from ec_redis.connector.channel import Reader
 from ec_redis.connector.scheduler import SchedulerSide
-from ec_redis.connector.stats import MAX_OBSERVATIONS, Deltas, read_counters
+from ec_redis.connector.stats import COUNTERS, MAX_OBSERVATIONS, Deltas, read_counters
 
 
 class Reporter:
@@ -56,8 +56,10 @@ class Reporter:
         return self._reader.acks()
 
     def snapshot(self) -> dict[str, Any]:
-        """Cumulative: this half's counters plus the worker halves' as last read."""
-        return {**self._own(), **self._worker_totals, **self._worker_gauges}
+        """Cumulative: this half's counters plus the worker halves' as last read; every
+        exported counter is there, at 0 until it first counts (a missing one is a bug)."""
+        zeros = dict.fromkeys(COUNTERS, 0)
+        return {**zeros, **self._own(), **self._worker_totals, **self._worker_gauges}
 
     def close(self) -> None:
         self._reader.remove_all()
