@@ -106,12 +106,12 @@ class ECRedisConnector(ECConnectorBase):
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
         if self._worker is not None and self.is_producer:  # V1 calls this on consumers too
-            self._worker.save_caches(encoder_cache, mm_hash)
+            self._worker.save_caches(encoder_cache, mm_hash, self._connector_metadata)
 
     def start_save_caches(self, **kwargs: Any) -> None:
         encoder_cache = kwargs.get("encoder_cache")
         if self._worker is not None and self.is_producer and encoder_cache is not None:
-            self._worker.start_save_caches(encoder_cache)
+            self._worker.start_save_caches(encoder_cache, self._connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

@@ -19,12 +19,13 @@ from typing import Any
 
 from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
-from ec_redis.connector.ids import is_request_scoped
+from ec_redis.connector.ids import cache_id, request_salt
 from ec_redis.connector.staging import ABSENT, FETCHING, STAGED, Found, Stager
 from ec_redis.stats import Counters
 
 MAX_REQUESTS = 65536  # request records; vLLM finishes every request, this is a backstop
-Needed = list[tuple[int, str, str]]  # (index into mm_features, identifier, modality)
+# (index into mm_features, vLLM's identifier, the cache id it is staged under, modality)
+Needed = list[tuple[int, str, str, str]]
 
 
 def rows_by_item(request: Any) -> dict[str, set[int]]:
@@ -80,7 +81,10 @@ class RequestGate:
         self.verdicts.pop(request_id, None)
         if request_id in self._unavailable:
             return self._hold()  # failed: held until vLLM takes it from take_unavailable
-        needed = self._needed(request, num_computed_tokens)
+        needed, uncacheable = self._needed(request, num_computed_tokens)
+        if any(self._must_deliver(request, identifier) for identifier in uncacheable):
+            self.fail(request_id, "uncacheable")  # no cache can serve it, no encoder here
+            return self._hold()
         if not needed:
             return True
 
@@ -106,24 +110,29 @@ class RequestGate:
         self.held_this_step = True
         return False
 
-    def _needed(self, request: Any, num_computed_tokens: int) -> Needed:
+    def _needed(self, request: Any, num_computed_tokens: int) -> tuple[Needed, list[str]]:
         """Items the request still needs and vLLM's encoder cache does not hold for it:
         not consumed yet, and, for a running request, not started (an item a running
-        request is part-way through sits in vLLM's encoder cache until it is consumed)."""
+        request is part-way through sits in vLLM's encoder cache until it is consumed).
+        Also the identifiers among them that can never be cached (``ids.cache_id``)."""
         # vllm.v1.request.RequestStatus.RUNNING, by name: importing that module costs the
         # API server (which imports this class) most of a second.
         running = getattr(request.status, "name", None) == "RUNNING"
         out: Needed = []
+        uncacheable: list[str] = []
+        salt = request_salt(request)
         for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue
             if running and position.offset < num_computed_tokens:
                 continue
-            if is_request_scoped(feature.identifier):
-                continue  # names a request, not content: never cached (see ids.py)
-            out.append((index, feature.identifier, feature.modality))
-        return out
+            key = cache_id(feature.identifier, salt)
+            if key is None:  # names a request, not content: never cached (see ids.py)
+                uncacheable.append(feature.identifier)
+                continue
+            out.append((index, feature.identifier, key, feature.modality))
+        return out, uncacheable
 
     def _new_record(self, request_id: str, now: float) -> RequestRecord:
         if len(self._records) >= MAX_REQUESTS:  # vLLM lost track of one: drop the oldest
@@ -144,15 +153,17 @@ class RequestGate:
         next_look = math.inf
         wait_deadline = record.first_seen + self._wait_s
         waiting: set[str] = set()
-        blocked: dict[str, str] = {}  # item -> why it cannot be delivered
+        blocked: dict[str, str] = {}  # identifier -> why it cannot be delivered
         verdicts: dict[str, Found] = {}
         rows = rows_by_item(request)
         look: list[tuple[str, str, int]] = []
-        for index, item, modality in needed:
-            entry = self._stager.get(item)
+        identifier_of: dict[str, str] = {}  # cache id -> identifier (one salt per request)
+        for index, item, key, modality in needed:
+            identifier_of[key] = item
+            entry = self._stager.get(key)
             if entry is not None and request_id not in entry.wanted_by:
                 self._stager.want(entry, request_id)
-                record.wanted.add(item)
+                record.wanted.add(key)
             state = None if entry is None else entry.state
             if entry is None or state == ABSENT:
                 if entry is not None and now >= wait_deadline:
@@ -162,7 +173,7 @@ class RequestGate:
                 due = now if entry is None else entry.since + self._options.recheck_s
                 if now >= due:  # looked up now: its return bumps the generation
                     reserve = self._check.reserve(modality, request.get_num_encoder_embeds(index))
-                    look.append((item, modality, reserve))
+                    look.append((key, modality, reserve))
                     next_look = min(next_look, now + self._options.fetch_wait_s)
                 else:
                     next_look = min(next_look, due, wait_deadline)
@@ -188,8 +199,8 @@ class RequestGate:
                 blocked[item] = "refused"
         if look:
             _, refused = self._stager.fetch(look, request_id)
-            record.wanted.update(item for item, _, _ in look if item not in refused)
-            for item in set(refused):  # staging is full now: that may pass
+            record.wanted.update(key for key, _, _ in look if key not in refused)
+            for item in {identifier_of[key] for key in refused}:  # staging is full now
                 if self._must_deliver(request, item) and now < wait_deadline:
                     next_look = min(next_look, now + self._options.recheck_s)
                 else:
@@ -228,17 +239,17 @@ class RequestGate:
         in_flight = False
         verdicts: dict[str, Found] = {}
         rows = rows_by_item(request)
-        for _, item, modality in needed:
-            entry = self._stager.get(item)
+        for _, item, key, modality in needed:
+            entry = self._stager.get(key)
             if entry is None or (
                 entry.state == ABSENT and now >= entry.since + self._options.recheck_s
             ):
                 if checking:
-                    look.append((item, modality, 0))
+                    look.append((key, modality, 0))
                 continue
             if request_id not in entry.wanted_by:
                 self._stager.want(entry, request_id)
-                record.wanted.add(item)
+                record.wanted.add(key)
             in_flight |= entry.state == FETCHING
             found = entry.found if entry.state == STAGED else None
             if found is not None and rows[item] == {found.rows}:
@@ -254,12 +265,13 @@ class RequestGate:
         self, look: list[tuple[str, str, int]], request_id: str, record: RequestRecord
     ) -> bool:
         _, refused = self._stager.fetch(look, request_id)
-        record.wanted.update(item for item, _, _ in look if item not in refused)
+        record.wanted.update(key for key, _, _ in look if key not in refused)
         return len(refused) < len(look)  # something is on its way (started or joined)
 
     def fail(self, request_id: str, why: str) -> None:
         """Fail the request as retryable (vLLM takes it from ``take_unavailable``); ``why``
-        names the counter: absent, timeout, stage_full, refused, rows or error."""
+        names the counter: absent, timeout, stage_full, refused, rows, uncacheable or
+        error."""
         if request_id not in self._unavailable:
             self._unavailable.add(request_id)
             self.counters.inc("unavailable_requests")
@@ -275,12 +287,17 @@ class RequestGate:
         except Exception:  # unreadable features: vLLM cannot encode them either way
             return False
 
-    def let_go(self, request_id: str, item: str) -> None:
-        """The request no longer needs ``item`` (loaded, or consumed)."""
+    def let_go(self, request: Any, identifier: str) -> None:
+        """The request no longer needs the item vLLM names ``identifier`` (loaded, or
+        consumed)."""
+        key = cache_id(identifier, request_salt(request))
+        if key is None:
+            return
+        request_id = request.request_id
         record = self._records.get(request_id)
         if record is not None:
-            record.wanted.discard(item)
-        self._stager.release(item, request_id)
+            record.wanted.discard(key)
+        self._stager.release(key, request_id)
 
     def forget(self, request_id: str) -> None:
         """The request ended (finished or aborted): every trace of it goes."""

@@ -13,6 +13,7 @@ form is never looked up or stored.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -56,3 +57,27 @@ def check_item_ids(vllm_config: Any, trust_client_uuids: bool) -> None:
         "(vLLM's EPD proxy sets one) and no request sends mm_processor_kwargs, "
         "ec_connector_extra_config {'trust_client_uuids': true}"
     )
+
+
+# Starts every salted cache id, and no id a request may name unsalted: a client uuid that
+# starts with it is never cached, so no request can name another tenant's entries.
+SALT_MARK = "\x00"
+
+
+def cache_id(identifier: str, cache_salt: str | None) -> str | None:
+    """What an item is cached under: vLLM's identifier for a request without a
+    ``cache_salt``; for one with a salt, the identifier in that salt's own namespace (every
+    tier, Redis key and announcement), so requests with other salts, or none, never read its
+    entries. ``None``: never cached (a request-scoped id, or one starting with SALT_MARK)."""
+    if identifier.startswith(SALT_MARK) or is_request_scoped(identifier):
+        return None
+    if not cache_salt:
+        return identifier
+    digest = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{SALT_MARK}{digest}{SALT_MARK}{identifier}"
+
+
+def request_salt(request: Any) -> str | None:
+    """vLLM's per-request ``cache_salt`` (its tenant-isolation key for prefix caching)."""
+    salt = getattr(request, "cache_salt", None)
+    return salt if isinstance(salt, str) and salt else None

@@ -33,6 +33,9 @@ class LoadItem:
 class ECRedisMetadata(ECConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
     step: int = -1  # the scheduler half's step number (acknowledged by the workers)
+    # Items encoded this step for requests with a cache_salt: the cache ids to save them
+    # under (``ids.cache_id``); any other item is saved under its own identifier.
+    save_as: dict[str, list[str]] = field(default_factory=dict)
     # Per stats-channel file: the last worker observation the scheduler half has reported
     # (channel.py); the worker that publishes it drops those.
     stats_ack: dict[str, int] = field(default_factory=dict)

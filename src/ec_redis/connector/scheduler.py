@@ -41,6 +41,7 @@ from ec_redis.codec import destination
 from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.gate import RequestGate
+from ec_redis.connector.ids import cache_id, request_salt
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
 from ec_redis.connector.pending import PendingWork
 from ec_redis.connector.staging import Found, Stager
@@ -96,6 +97,7 @@ class SchedulerSide:
         # Per step (reset by build_connector_meta).
         self._current: Any = None  # the request ensure_cache_available saw last
         self._answers: dict[tuple[str, str], Found] = {}  # (request id, item): promised
+        self._save_as: dict[str, set[str]] = {}  # item -> cache ids of salted local encodes
         self._loads: dict[str, LoadItem] = {}
         self._step_start: float | None = None
         self._step = 0  # numbers the metadata; workers acknowledge the steps they ran
@@ -181,8 +183,12 @@ class SchedulerSide:
         try:
             item = request.mm_features[index].identifier
             found = self._answers.get((request.request_id, item))
-            if found is None:
-                return  # encoded locally
+            if found is None:  # encoded locally: a salted request's encode is saved as such
+                salt = request_salt(request)
+                key = cache_id(item, salt) if salt and self._is_producer else None
+                if key is not None:
+                    self._save_as.setdefault(item, set()).add(key)
+                return
             if self._is_consumer:
                 if request.get_num_encoder_embeds(index) != found.rows:
                     # The verdict covered every feature of this request naming ``item``.
@@ -190,13 +196,15 @@ class SchedulerSide:
                     return
                 if item not in self._loads:
                     self._loads[item] = self._transport.load(item, found, self._step)
-            self._gate.let_go(request.request_id, item)
+            self._gate.let_go(request, item)
         except Exception as exc:
             self.internal_error("update_state_after_alloc", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECRedisMetadata:
-        meta = ECRedisMetadata(loads=list(self._loads.values()), step=self._step)
+        save_as = {item: sorted(keys) for item, keys in self._save_as.items()}
+        meta = ECRedisMetadata(loads=list(self._loads.values()), step=self._step, save_as=save_as)
         answers, self._loads, self._answers, self._current = self._answers, {}, {}, None
+        self._save_as = {}
         self._step += 1
         try:
             if self._is_consumer:
@@ -272,7 +280,7 @@ class SchedulerSide:
 
     def update_state_after_free(self, request: Any, index: int) -> None:
         try:
-            self._gate.let_go(request.request_id, request.mm_features[index].identifier)
+            self._gate.let_go(request, request.mm_features[index].identifier)
         except Exception as exc:
             self.internal_error("update_state_after_free", exc)
 

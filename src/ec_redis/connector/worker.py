@@ -24,7 +24,7 @@ import torch
 
 from ec_redis.cache import TieredCache
 from ec_redis.connector.channel import Observations
-from ec_redis.connector.ids import is_request_scoped
+from ec_redis.connector.ids import cache_id
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
 from ec_redis.connector.stats import write_counters
 from ec_redis.connector.transport import read_staged
@@ -48,6 +48,9 @@ class _RecentSet:
         while len(self._items) > self._maxsize:
             self._items.popitem(last=False)
 
+    def discard(self, item: str) -> None:
+        self._items.pop(item, None)
+
     def __contains__(self, item: object) -> bool:
         return item in self._items
 
@@ -69,6 +72,7 @@ class WorkerSide:
         self._save_wait_s = save_wait_s
         self._step_saves: list[str] = []  # saved this step, awaited at its end
         self._published = _RecentSet()
+        self._salted = _RecentSet()  # items last encoded for requests with a cache_salt
         self.counters = Counters()
         self._observations = Observations()
         self._log = RateLimitedLog()
@@ -99,40 +103,60 @@ class WorkerSide:
             return staged
         return self._cache.transfer.upload(staged, self._device)
 
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+    def save_caches(
+        self,
+        encoder_cache: dict[str, torch.Tensor],
+        mm_hash: str,
+        meta: Any = None,
+        *,
+        fresh: bool = True,
+    ) -> None:
+        """Save one encoder output: under the cache ids the step's metadata names for it
+        (it was encoded for requests with a ``cache_salt``), else under its identifier.
+        ``fresh``: encoded this step (else cached earlier: ``start_save_caches``)."""
         if not self._saves:
             return
         tensor = encoder_cache.get(mm_hash)
-        if tensor is None or is_request_scoped(mm_hash):
+        if tensor is None or cache_id(mm_hash, None) is None:
             return  # a request-scoped id names no content: never published (see ids.py)
+        save_as = meta.save_as.get(mm_hash) if isinstance(meta, ECRedisMetadata) else None
+        if save_as:
+            self._salted.add(mm_hash)  # encoded for salted requests: theirs alone
+        elif not fresh and mm_hash in self._salted:
+            return  # a salted encode of an earlier step is never published unsalted
+        else:
+            self._salted.discard(mm_hash)
         started = time.perf_counter()
-        try:
-            # The cache keeps a reference (and copies device tensors to host on a side
-            # stream ordered after the encoder), so vLLM freeing the entry is safe. It
-            # returns False on an internal failure (counted and logged there).
-            stored = self._cache.put(mm_hash, tensor)
-        except Exception as exc:  # a failed save costs sharing, never the step
-            self._log.warning("save", "ec_redis: cannot save %r: %r", mm_hash, exc)
-            stored = False
+        stored = False
+        for key in save_as or (mm_hash,):
+            try:
+                # The cache keeps a reference (and copies device tensors to host on a side
+                # stream ordered after the encoder), so vLLM freeing the entry is safe. It
+                # returns False on an internal failure (counted and logged there).
+                put = self._cache.put(key, tensor)
+            except Exception as exc:  # a failed save costs sharing, never the step
+                self._log.warning("save", "ec_redis: cannot save %r: %r", mm_hash, exc)
+                put = False
+            if put and self._save_wait_s > 0:
+                self._step_saves.append(key)
+            stored |= put
         self._published.add(mm_hash)  # tried once: a failure is not retried every step
         if not stored:
             self.counters.inc("save_errors")
             return
-        if self._save_wait_s > 0:
-            self._step_saves.append(mm_hash)
         nbytes = tensor_nbytes(tensor)
         self.counters.inc("saved_items")
         self.counters.inc("saved_bytes", nbytes)
         self._observe("item_mb", nbytes / 1e6)
         self._observe("save_seconds", time.perf_counter() - started)
 
-    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Any = None) -> None:
         """Publish items cached in earlier steps that never went through ``save_caches``."""
         if not self._saves:
             return
         for mm_hash in list(encoder_cache):
             if mm_hash not in self._published:
-                self.save_caches(encoder_cache, mm_hash)
+                self.save_caches(encoder_cache, mm_hash, meta, fresh=False)
 
     def worker_meta(self, meta: Any) -> ECRedisWorkerMetadata:
         """Queued writes, and the step whose metadata this rank just ran (its loads are done,
