@@ -235,6 +235,16 @@ def test_an_absent_item_of_a_media_less_request_fails_it_even_under_encode() -> 
     _fails(side, req, "absent")
 
 
+def test_a_media_less_item_whose_id_is_never_cached_fails_its_request() -> None:
+    side, _, _ = make_side()
+    for identifier in ("renderer0-mm-7-image-0", "\x00forged"):  # request-scoped, reserved
+        req = request(f"r-{identifier[:3]}", (identifier, 16), media=False)
+        assert side.ensure_cache_available(req, 0) is False
+        assert side.take_unavailable_requests() == {req.request_id}
+        side.request_finished(req)
+    assert counter(side, "unavailable_uncacheable") == 2
+
+
 # -- 6. a wait on a lookup ends -----------------------------------------------------------
 
 

@@ -41,6 +41,7 @@ COUNTERS: dict[str, str] = {
     "unavailable_refused": "Requests failed: a fetched item had the wrong dtype, width or size",
     "unavailable_rows": "Requests failed: one id named items of different sizes",
     "unavailable_error": "Requests failed: an internal error where no local encode is possible",
+    "unavailable_uncacheable": "Requests failed: a media-less item's id can never be cached",
     "waits": "Scheduler steps a request was held back waiting for an item",
     "skipped_encodes": "Items a producer did not encode because they were already published",
     "stage_full": "Items encoded locally because staging had no room (stage_bytes)",
