@@ -26,6 +26,7 @@ from ec_redis.connector.spares import SPARES, Spares, is_spare
 from ec_redis.connector.staging import Found
 from ec_redis.connector.transport import FILE_PREFIX, FileTransport, InlineTransport, read_staged
 from tests.conftest import bit_exact, embedding
+from tests.counters import count
 
 pytestmark = pytest.mark.vllm  # the connector package imports vLLM
 MiB = 1 << 20
@@ -272,6 +273,9 @@ def test_inline_staging_lends_private_memory_and_replaces_it_once_used() -> None
     assert transport.stage(found) is found  # handed over as it is
     assert bit_exact(transport.load("img", found, step=0).tensor, item)  # type: ignore[arg-type]
     assert not transport.spares.claim(buffer, "/nonexistent/x")  # nothing to rename
+    transport.discard(found)  # its staging entry died
+    transport.step_done(0)  # and its load is done: the transport lets go of it
+    assert transport.live_buffers() == 0
     del buffer, found
     gc.collect()
     assert eventually(lambda: transport.spare_bytes() == SPARES * 2 * MiB)
@@ -318,7 +322,7 @@ def test_a_failed_rename_stages_the_item_by_writing_a_file(
     staged = transport.stage(Found(item.dtype, tuple(item.shape), item))
     assert staged.path is not None and len(renames) == 1  # tried once, not once per spare
     assert bit_exact(read_staged(transport.load("img", staged, step=0)), item)
-    assert transport.counters.snapshot().get("stage_spare_hits", 0) == 0
+    assert count(transport.counters.snapshot(), "stage_spare_hits") == 0
     monkeypatch.undo()
     gc.collect()
     assert eventually(lambda: len(spare_files(tmp_path)) == SPARES)  # the failed one went
