@@ -205,18 +205,14 @@ class TieredCache:
         return self.redis is not None and self.redis.contains(key)
 
     def describe_many(self, keys: Iterable[str]) -> dict[str, tuple[torch.dtype, Shape] | None]:
-        """dtype and shape of entries published to Redis or on their way there (a queued
-        write), read from blob heads alone: no tensor bytes move. ``None``: not published."""
-        out: dict[str, tuple[torch.dtype, Shape] | None] = {}
-        remote: list[str] = []
-        for key in dict.fromkeys(map(_check_key, keys)):
-            pending = self.writer.pending(key) if self.writer is not None else None
-            out[key] = None if pending is None else _describe(pending.tensor)
-            if out[key] is None:
-                remote.append(key)
-        if remote and self.redis is not None and not self._closed:
+        """dtype and shape of entries published to Redis: whole there (the head and every
+        chunk it names), read without moving tensor bytes. ``None``: not published. A write
+        still queued or in flight is not published: the queue may yet drop it (full, breaker
+        open, refused), and a producer told "published" would never encode the item again."""
+        out: dict[str, tuple[torch.dtype, Shape] | None] = dict.fromkeys(map(_check_key, keys))
+        if out and self.redis is not None and not self._closed:
             try:
-                out.update(self.redis.describe_many(remote))
+                out.update(self.redis.describe_many(list(out)))
             except Exception as exc:  # never take a vLLM step down with a cache read
                 self._internal_error("a head read", exc)
         return out
@@ -357,10 +353,6 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
     """Whether ``tensor`` lives on ``device`` (a bare ``cuda`` matches any CUDA index)."""
     index: int | None = device.index  # typed int by torch's stubs, None for a bare "cuda"
     return tensor.device.type == device.type and index in (None, tensor.device.index)
-
-
-def _describe(tensor: torch.Tensor) -> tuple[torch.dtype, Shape]:
-    return tensor.dtype, tuple(tensor.shape)
 
 
 def _owned_host(tensor: torch.Tensor) -> torch.Tensor:

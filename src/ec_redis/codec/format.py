@@ -43,7 +43,10 @@ MAX_PRODUCER_BYTES = 1024
 HEADER = struct.Struct("<4sHBBBBHI4QQQQQQQ")
 HEADER_SIZE = HEADER.size  # 96
 CHECKED_SIZE = HEADER_SIZE - 8
-PART_BYTES_AT = 72  # offsets the Redis tier's Lua scripts read without parsing the header
+# offsets the Redis tier's Lua scripts read without parsing the header
+PRODUCER_LEN_AT = 10
+PAYLOAD_LEN_AT = 56
+PART_BYTES_AT = 72
 WRITE_ID_AT = 80
 
 CODEC_NONE = 0

@@ -6,7 +6,9 @@ chunks of a large entry this reader sends the GETs on a pooled connection and ``
 each reply into its slice of the destination (``read_into``); commands sent ahead of the GETs
 in the same write (``prelude``: the TTL renewal script) have their small replies parsed and
 returned. Entry heads are read the same way (``read_values``): a large one-value entry lands
-in a buffer of its own, which the decoded tensor then uses as it is.
+in a buffer of its own, which the decoded tensor then uses as it is. An error reply to one
+key's command (a key of another type: ``WRONGTYPE``) is returned in that key's place: it is
+one line, so the replies after it are still read in step.
 
 For any ``redis.Redis`` client whose pool makes our connections: one server (TCP/TLS/Unix), a
 Sentinel-managed master, and each node of a Redis Cluster. Error replies become redis-py's
@@ -56,29 +58,36 @@ Reply = bytes | int | None | ResponseError | list[Any]
 _MAX_SMALL_REPLY = 1 << 20
 
 
+Value = bytes | memoryview | ResponseError | None
+
+
 def read_into(
     client: Any,
     keys: Sequence[str],
     targets: Sequence[memoryview],
     prelude: Sequence[Sequence[Any]] = (),
-) -> tuple[list[Reply], list[int | None]]:
+) -> tuple[list[Reply], list[int | ResponseError | None]]:
     """Send the ``prelude`` commands, then GET every key into its target. Returns the prelude's
-    replies (an error reply is returned as a typed ``ResponseError``, not raised) and, per key,
-    ``None`` when the key is missing, else the value's length (read into the target only when
-    it is exactly the target's length; otherwise skipped). A GET's error reply raises."""
+    replies and, per key, ``None`` when the key is missing, else the value's length (read into
+    the target only when it is exactly the target's length; otherwise skipped). An error reply
+    is returned as a typed ``ResponseError``, not raised."""
     commands = [*prelude, *(("GET", key) for key in keys)]
     with _connection(client, commands) as reader:
         replies = [reader.reply() for _ in prelude]
         return replies, [reader.bulk_into(target) for target in targets]
 
 
-def read_values(client: Any, commands: Sequence[Sequence[Any]]) -> list[bytes | memoryview | None]:
-    """Send ``commands`` (each answered by one string or nil: ``GET``, ``GETEX``) in one write.
-    A value up to ``SMALL_VALUE`` bytes comes back as ``bytes``; a larger one in a buffer of its
-    own that the socket was read straight into (one copy where redis-py makes two). An error
-    reply raises."""
-    with _connection(client, commands) as reader:
-        return [reader.value() for _ in commands]
+def read_values(
+    client: Any, commands: Sequence[Sequence[Any]], prelude: Sequence[Sequence[Any]] = ()
+) -> tuple[list[Reply], list[Value]]:
+    """Send the ``prelude`` commands, then ``commands`` (each answered by one string or nil:
+    ``GET``, ``GETRANGE``), in one write. Returns the prelude's replies and the values: one up
+    to ``SMALL_VALUE`` bytes as ``bytes``, a larger one in a buffer of its own that the socket
+    was read straight into (one copy where redis-py makes two). An error reply is returned as a
+    typed ``ResponseError``, not raised."""
+    with _connection(client, [*prelude, *commands]) as reader:
+        replies = [reader.reply() for _ in prelude]
+        return replies, [reader.value() for _ in commands]
 
 
 @contextmanager
@@ -103,10 +112,10 @@ class _Reader:
         self._sock = sock
         self._buf = bytearray()
 
-    def bulk_into(self, target: memoryview) -> int | None:
+    def bulk_into(self, target: memoryview) -> int | ResponseError | None:
         line = self._line()
         if line[:1] == b"-":
-            raise _error(line[1:])
+            return _error(line[1:])
         if line == b"_":  # RESP3's null (RESP2 says "$-1")
             return None
         if line[:1] == b"+":  # fakeredis sends values without CR/LF as simple strings
@@ -126,11 +135,12 @@ class _Reader:
             raise RedisConnectionError("malformed bulk reply")
         return size
 
-    def value(self) -> bytes | memoryview | None:
-        """One string reply (or nil), small ones as bytes, larger ones received in place."""
+    def value(self) -> Value:
+        """One string reply (or nil, or an error), small ones as bytes, larger ones received in
+        place."""
         line = self._line()
         if line[:1] == b"-":
-            raise _error(line[1:])
+            return _error(line[1:])
         if line == b"_":
             return None
         if line[:1] == b"+":  # fakeredis sends values without CR/LF as simple strings

@@ -39,8 +39,10 @@ def write_entry(
     ``INCOMPLETE_WRITE`` when a key of the write vanished before the switch (evicted, or older
     than the grace); ``CONFLICT`` when other writers switched the entry ``ATTEMPTS`` times in a
     row. Redis errors raise; whatever the outcome, no key this call wrote outlives the grace
-    TTL unless the head names it. ``announce`` = (channel, message): PUBLISHed by the switch
-    itself, so a subscriber hears of the entry the moment its head is current."""
+    TTL unless the head names it, and a refused or unknown outcome never touches a key of the
+    version that is current (leftovers are the grace TTL's). ``announce`` = (channel, message):
+    PUBLISHed by the switch itself, so a subscriber hears of the entry the moment its head is
+    current."""
     pending = KeyBuilder.pending(head_key, write_id)
     new_chunks = KeyBuilder.chunks(head_key, write_id, len(parts) - 1)
     written = [pending, *new_chunks]
@@ -60,8 +62,16 @@ def write_entry(
     pipe.execute_command(*SWAP.command([head_key, *written], args))
     *stored, reply = pipe.execute(raise_on_error=False)
     refused = [r for r in stored if isinstance(r, Exception)]
-    if refused:  # e.g. OOM: the script found a key missing and switched nothing
-        drop(client, written)
+    if refused:  # e.g. OOM
+        # redis-py re-sends a pipeline whose reply was lost: its first send may have switched
+        # this write in, and the head may name these very keys now. Only the script, in this
+        # same reply, can say: its own head is current (SWAPPED: the entry is whole, leave it)
+        # or it is not (then nothing names these keys: unlink them). Any other answer leaves
+        # them to their grace TTL.
+        if _swapped(reply):
+            return STORED
+        if _not_swapped(reply):
+            drop(client, written)
         raise refused[0]
     # From here a call that raises may have switched the entry in before its reply was lost:
     # the write's keys are left to their grace TTL (a retried call answers SWAPPED, as the
@@ -82,6 +92,16 @@ def write_entry(
         return STORED
     drop(client, written)  # never named by the head: nobody can be reading them
     return INCOMPLETE_WRITE if int(reply[0]) == INCOMPLETE else CONFLICT
+
+
+def _swapped(reply: Any) -> bool:
+    return isinstance(reply, list) and bool(reply) and int(reply[0]) == SWAPPED
+
+
+def _not_swapped(reply: Any) -> bool:
+    """The swap script answered and switched nothing: it compares its own head first, so the
+    head it saw names none of this write's keys."""
+    return isinstance(reply, list) and bool(reply) and int(reply[0]) in (CONFLICT_REPLY, INCOMPLETE)
 
 
 def delete_entry(client: Any, head_key: str) -> bool:

@@ -1,12 +1,18 @@
 """Reading versioned entries from one node: one whole version per item, or a miss.
 
-The heads come in one pipelined round trip; a one-value entry is decoded from its head. A
-chunked entry's chunks (exactly those its head names) are read straight into the destination
-(``bulk_read``: one copy, kernel -> buffer) when the client allows and the blob's layout does
-(raw: the tensor's bytes; lz4: the compressed payload, decompressed into the tensor), else in
-one pipelined round trip for all such entries. With a sliding TTL, the head is renewed by the
-read (``GETEX``) and the chunks by a script sent ahead of their ``GET``s. A bad version is
-deleted only while it is still current (compare-and-delete).
+The heads come in one pipelined round trip, each cut after ``head_bytes`` (``GETRANGE``): a
+head no writer with this chunk size makes longer (a one-value entry is at most one part) comes
+whole, and a longer one only as far as its header, so one over ``max_blob_bytes`` is a miss
+(``oversized``) without its payload crossing the network; one within the limit is read again
+whole (``long_heads``: a writer with a larger ``chunk_bytes``). A one-value entry is decoded
+from its head. A chunked entry's chunks (exactly those its head names) are read straight into
+the destination (``bulk_read``: one copy, kernel -> buffer) when the client allows and the
+blob's layout does (raw: the tensor's bytes; lz4: the compressed payload, decompressed into
+the tensor), else in one pipelined round trip for all such entries. With a sliding TTL, the
+head is renewed by a ``PEXPIRE`` sent ahead of its read and the chunks by a script sent ahead
+of their ``GET``s. A bad version is deleted only while it is still current
+(compare-and-delete). An error reply to one key (a key of another type) is that item's miss
+alone; the batch's other items are served.
 """
 
 from __future__ import annotations
@@ -46,19 +52,29 @@ class EntryReader:
     """Reads entries through ``client`` (any client that reaches the node holding them);
     faults of the cleanup and renewal side calls are counted through ``guard``."""
 
-    def __init__(self, guard: Guard, max_blob_bytes: int, renew_ms: int | None) -> None:
+    def __init__(
+        self, guard: Guard, max_blob_bytes: int, renew_ms: int | None, head_bytes: int
+    ) -> None:
+        """``head_bytes``: the longest head read in the first round trip (at least the longest
+        header, ``PROBE_BYTES``)."""
         self._guard = guard
         self.counters = guard.counters
         self._max_blob_bytes = max_blob_bytes
         self._renew_ms = renew_ms
+        self._head_bytes = head_bytes
 
     def read(self, client: Any, items: Sequence[str], head_keys: Sequence[str]) -> Out:
         out: Out = dict.fromkeys(items)
         direct = bulk_read.supported(client)
+        heads = self._heads(client, head_keys, direct, self._head_bytes, self._renew_ms)
+        longer = [i for i, head in enumerate(heads) if self._read_again(head)]
+        if longer:  # heads longer than this reader's own writers make: whole, within the limit
+            self.counters.inc("long_heads", len(longer))
+            again = [head_keys[i] for i in longer]
+            for i, head in zip(longer, self._heads(client, again, direct), strict=True):
+                heads[i] = head
         found: list[_Found] = []
-        for item, head_key, head in zip(
-            items, head_keys, self._heads(client, head_keys, direct), strict=True
-        ):
+        for item, head_key, head in zip(items, head_keys, heads, strict=True):
             entry = self._classify(client, item, head_key, head, out)
             if entry is not None:
                 found.append(entry)
@@ -67,25 +83,66 @@ class EntryReader:
             self._read_chunks(client, rest, out)
         return out
 
-    def _heads(self, client: Any, head_keys: Sequence[str], direct: bool) -> list[Any]:
-        """Every head in one round trip; reads renew the TTL (``GETEX``): hot entries stay."""
+    def _heads(
+        self,
+        client: Any,
+        head_keys: Sequence[str],
+        direct: bool,
+        limit: int | None = None,
+        renew_ms: int | None = None,
+    ) -> list[Any]:
+        """Every head in one round trip, each read up to ``limit + 1`` bytes (default
+        ``limit``: the largest entry accepted), so one that arrives longer than ``limit`` may
+        have been cut; with ``renew_ms``, a ``PEXPIRE`` ahead of each read renews its TTL: hot
+        entries stay."""
+        last = self._max_blob_bytes if limit is None else limit
+        reads = [("GETRANGE", key, 0, last) for key in head_keys]
+        renewals = [] if renew_ms is None else [("PEXPIRE", key, renew_ms) for key in head_keys]
         if direct:
-            renew = ("PX", self._renew_ms) if self._renew_ms is not None else ()
-            get = "GETEX" if renew else "GET"
-            return bulk_read.read_values(client, [(get, key, *renew) for key in head_keys])
-        pipe = client.pipeline(transaction=False)
-        for head_key in head_keys:
-            if self._renew_ms is not None:
-                pipe.getex(head_key, px=self._renew_ms)
-            else:
-                pipe.get(head_key)
-        return list(pipe.execute())
+            replies, heads = bulk_read.read_values(client, reads, renewals)
+        else:
+            pipe = client.pipeline(transaction=False)
+            for command in (*renewals, *reads):
+                pipe.execute_command(*command)
+            answers = pipe.execute(raise_on_error=False)
+            replies, heads = answers[: len(renewals)], answers[len(renewals) :]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._refused(reply, "renew")
+        return list(heads)
+
+    def _read_again(self, head: Any) -> bool:
+        """Whether a head may have been cut (it arrived longer than ``head_bytes`` and is not
+        the whole blob its header declares) although that header is within this reader's
+        limit: it is read again whole. Any other long head is judged by its header alone
+        (oversized, or rejected) in ``_classify``."""
+        if isinstance(head, Exception) or head is None or len(head) <= self._head_bytes:
+            return False
+        try:
+            header = read_header(head, max_blob_bytes=self._max_blob_bytes)
+        except BlobError:
+            return False
+        return len(head) != header.total_len
+
+    def _refused(self, exc: Exception, op: str) -> None:
+        """One key's error reply: a redirection raises (the caller reads the node's part of the
+        batch where its slot lives now); anything else costs only that key."""
+        if isinstance(exc, REDIRECTS):
+            raise exc
+        if op == "renew":  # a renewal is best effort: the read itself goes on
+            self.counters.inc("renew_errors")
+            self._guard.count(op, exc)
+        else:
+            self._guard.refused_key(op, exc)
 
     def _classify(
-        self, client: Any, item: str, head_key: str, head: Buffer | None, out: Out
+        self, client: Any, item: str, head_key: str, head: Any, out: Out
     ) -> _Found | None:
         """Decode a one-value entry now, or say which chunks the head names."""
-        if head is None:
+        if isinstance(head, Exception):
+            self._refused(head, "read")
+            return None
+        if not head:  # GETRANGE answers "" for a missing key
             return None
         try:
             header = read_header(head, max_blob_bytes=self._max_blob_bytes)
@@ -120,6 +177,10 @@ class EntryReader:
         for reply in replies:
             self._renewed(client, entry, reply)
         self.counters.inc("direct_reads")
+        refused = [size for size in sizes if isinstance(size, Exception)]
+        if refused:
+            self._refused(refused[0], "read")
+            return True
         if any(size is None for size in sizes):
             self._partial(client, entry)
             return True
@@ -149,12 +210,13 @@ class EntryReader:
                 at += 1
             chunks.append(replies[at : at + len(entry.chunk_keys)])
             at += len(entry.chunk_keys)
-        failed = [r for parts in chunks for r in parts if isinstance(r, Exception)]
-        if failed:
-            raise failed[0]  # a GET refused (e.g. a foreign key's type): the read failed
         for entry, reply in zip(found, renewals, strict=False):
             self._renewed(client, entry, reply)
         for entry, parts in zip(found, chunks, strict=True):
+            refused = [r for r in parts if isinstance(r, Exception)]
+            if refused:  # e.g. a chunk key of another type: this entry's miss alone
+                self._refused(refused[0], "read")
+                continue
             out[entry.item] = self._assemble(client, entry, [entry.head, *parts])
 
     def _assemble(

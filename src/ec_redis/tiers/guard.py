@@ -66,6 +66,20 @@ class Guard:
         breaker.success()
         return result
 
+    def refused_key(self, op: str, exc: BaseException) -> None:
+        """Count one key's error reply in a batch that otherwise went through: that key is a
+        miss, the batch's other keys are served, and the breaker hears a success (the server
+        answered). A key holding another type (``WRONGTYPE``: a list or hash someone stored
+        under our name) counts as ``foreign_keys``; any other refusal as a failed call."""
+        if str(exc).startswith("WRONGTYPE"):
+            self.counters.inc("foreign_keys")
+            self.log.warning(
+                "foreign-" + op, "ec_redis: a Redis %s met a key of another type (%s); that "
+                "item is a miss", op, exc,
+            )  # fmt: skip
+        else:
+            self.count(op, exc)
+
     def count(self, op: str, exc: BaseException) -> bool:
         """Count a failed Redis call; True when it was a reply from a healthy server (an OOM
         or ACL refusal), which is not an outage and so not a breaker failure."""

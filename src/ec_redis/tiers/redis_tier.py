@@ -7,13 +7,14 @@ A write stores its chunks and head value under a grace TTL, then one Lua script
 (``tiers/scripts.py``) checks they are all there, renames the head value onto the head key,
 gives them the entry's TTL and puts the grace TTL on the chunks of the version it replaced. A
 reader (``tiers/entry_read.py``) fetches the head, then the chunks that head names: one whole
-version or a miss, whatever other writers do meanwhile.
+version or a miss, whatever other writers do meanwhile. ``describe_many`` says which entries
+are whole, from their heads alone (``tiers/describe.py``).
 
 Every call is split by node (``tiers/nodes.py``): one server is one node; on Redis Cluster each
 master gets the part of a batch that lives on it, on its own connection and under its own
 circuit breaker, so a dead or failing-over master costs only the items in its slots. Every
 failure is a miss or False plus a counter; nothing raises out of this tier, and every call a
-breaker admits settles it.
+breaker admits settles it. One key's error reply (a key of another type) costs that key alone.
 """
 
 from __future__ import annotations
@@ -28,17 +29,16 @@ import redis
 import torch
 
 from ec_redis.breaker import Breakers, CircuitBreaker
-from ec_redis.codec import encode_parts, read_header
-from ec_redis.codec.format import HEADER_SIZE, MAX_PRODUCER_BYTES, new_write_id
-from ec_redis.errors import BlobError
+from ec_redis.codec import encode_parts
+from ec_redis.codec.format import new_write_id
 from ec_redis.keys import KeyBuilder
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
-from ec_redis.tiers import entry_ops
+from ec_redis.tiers import describe, entry_ops
 from ec_redis.tiers.base import Tier, tensor_nbytes
 from ec_redis.tiers.entry_read import EntryReader
 from ec_redis.tiers.guard import REDIS_ERRORS, Guard
-from ec_redis.tiers.layout import part_size
+from ec_redis.tiers.layout import PROBE_BYTES, part_size
 from ec_redis.tiers.nodes import REDIRECTS, Node, nodes_for
 
 T = TypeVar("T")
@@ -87,7 +87,10 @@ class RedisTier(Tier):
         self._guard = Guard(self.breakers, self.counters, self._log)
         self._ttl_ms = int(options.ttl_s * 1000) if options.ttl_s > 0 else None
         renew_ms = self._ttl_ms if options.ttl_sliding else None
-        self._reader = EntryReader(self._guard, options.max_blob_bytes, renew_ms)
+        # No head this tier's own writers make is longer than a chunk (or the largest blob):
+        # read that much of each head in the first round trip, longer ones only when needed.
+        head_bytes = max(min(options.chunk_bytes, options.max_blob_bytes), PROBE_BYTES)
+        self._reader = EntryReader(self._guard, options.max_blob_bytes, renew_ms, head_bytes)
         self._grace_ms = max(1, int(options.orphan_grace_s * 1000))
 
     @property
@@ -193,24 +196,20 @@ class RedisTier(Tier):
     def describe_many(
         self, keys: Iterable[str]
     ) -> dict[str, tuple[torch.dtype, tuple[int, ...]] | None]:
-        """dtype and shape of stored entries, from a bounded prefix of each head (GETRANGE):
-        no tensor bytes move. A missing, foreign or corrupt head is ``None``."""
+        """dtype and shape of whole stored entries (the head and every chunk it names), from a
+        bounded prefix of each head: no tensor bytes move. A missing, foreign or corrupt head,
+        or one whose chunks are not all there, is ``None``."""
         items = list(dict.fromkeys(keys))
         head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
         out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(items)
 
-        def describe(client: Any, indices: list[int]) -> list[bytes | None]:
-            pipe = client.pipeline(transaction=False)
-            for i in indices:
-                pipe.getrange(head_keys[i], 0, HEADER_SIZE + MAX_PRODUCER_BYTES - 1)
-            return list(pipe.execute())
+        def probe(client: Any, indices: list[int]) -> list[describe.Description | None]:
+            chosen = [head_keys[i] for i in indices]
+            return describe.describe(client, chosen, self.options.max_blob_bytes, self._guard)
 
-        for indices, prefixes in self._per_node("describe", head_keys, describe, lambda _: None):
-            for i, prefix in zip(indices, prefixes or [], strict=False):
-                with contextlib.suppress(BlobError):  # a reader meets it, counts, cleans up
-                    if prefix:
-                        header = read_header(prefix, max_blob_bytes=self.options.max_blob_bytes)
-                        out[items[i]] = (header.dtype.torch_dtype, header.shape)
+        for indices, found in self._per_node("describe", head_keys, probe, lambda _: None):
+            for i, description in zip(indices, found or [], strict=False):
+                out[items[i]] = description
         return out
 
     # -- writes --------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The Lua scripts that switch, renew and delete one entry's versions atomically.
+"""The Lua scripts that switch, renew, delete and describe one entry's versions atomically.
 
 Each script touches one entry: its head and chunk keys, which share a hash tag and so one
-Redis Cluster slot. Every key is passed in ``KEYS`` (none is built inside Lua), so Cluster
-routes a script like any single-slot command and key-pattern ACLs apply as usual. Heads are
-identified by their first ``HEADER_SIZE`` bytes, which carry the write's random id: "the head
-is still the one I saw" is a byte comparison. Plain Lua 5.1 with no ``#!`` flags: Redis
+Redis Cluster slot. Every key a script writes is passed in ``KEYS``, so Cluster routes a
+script like any single-slot command and key-pattern ACLs apply as usual; only the describe
+script builds key names, read-only: the chunk keys a head names, which nobody can know before
+reading that head (they extend the head key, so they share its slot and its ACL pattern).
+Heads are identified by their first ``HEADER_SIZE`` bytes, which carry the write's random id:
+"the head is still the one I saw" is a byte comparison. Plain Lua 5.1 with no ``#!`` flags: Redis
 >= 6.2, Valkey, and fakeredis with ``lupa``. No script allocates: values are written by plain
 pipelined ``SET``s before, so a full Redis refuses those, never half a script.
 """
@@ -17,8 +19,14 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from ec_redis.codec.format import HEADER_SIZE, PART_BYTES_AT
-from ec_redis.tiers.layout import MAGIC_VERSION, PROBE_BYTES
+from ec_redis.codec.format import (
+    HEADER_SIZE,
+    PART_BYTES_AT,
+    PAYLOAD_LEN_AT,
+    PRODUCER_LEN_AT,
+    WRITE_ID_AT,
+)
+from ec_redis.tiers.layout import MAGIC_VERSION, MAX_CHUNKS, MIN_PART_BYTES, PROBE_BYTES
 
 # swap replies: [SWAPPED] | [CONFLICT, head prefix, head length] | [INCOMPLETE, index]
 # (index 0: the pending head, i: chunk i)
@@ -105,6 +113,48 @@ return {{{DELETED}, removed}}
 )
 
 
+# Say whether an entry is whole without moving its bytes: the head's first PROBE_BYTES and its
+# length, and whether every chunk that head names is there, as a string (a chunk evicted under
+# allkeys-lru leaves a head that no reader can use). KEYS: the head. Reply: [prefix, head
+# length, chunks checked, index of the first missing chunk or 0]; "checked" is -1 for a header
+# no reader follows (the caller rejects it anyway), 0 for a one-value entry or a missing head.
+# The chunk keys are KeyBuilder.chunk's names, <head>:<write id, 16 hex digits>:c<i>, and their
+# count is layout.chunk_count's; the caller checks that count against its own. A head of a
+# foreign type answers with its error (WRONGTYPE), for that key alone.
+_DESCRIBE = f"""
+local prefix = redis.pcall('GETRANGE', KEYS[1], 0, {PROBE_BYTES - 1})
+if type(prefix) == 'table' then return prefix end
+if #prefix < {HEADER_SIZE} or string.sub(prefix, 1, 6) ~= {_lua_bytes(MAGIC_VERSION)} then
+  return {{prefix, 0, 0, 0}}
+end
+local function u64(at)
+  local v = 0
+  for i = at + 8, at + 1, -1 do v = v * 256 + string.byte(prefix, i) end
+  return v
+end
+local len = redis.call('STRLEN', KEYS[1])
+local part = u64({PART_BYTES_AT})
+if part == 0 then return {{prefix, len, 0, 0}} end
+local producer = string.byte(prefix, {PRODUCER_LEN_AT + 1})
+  + 256 * string.byte(prefix, {PRODUCER_LEN_AT + 2})
+local rest = {HEADER_SIZE} + producer + u64({PAYLOAD_LEN_AT}) - len
+if part < {MIN_PART_BYTES} or rest <= 0 then return {{prefix, len, -1, 0}} end
+local n = math.floor(rest / part)
+if n * part < rest then n = n + 1 end
+if n > {MAX_CHUNKS} then return {{prefix, len, -1, 0}} end
+local id = ''
+for i = {WRITE_ID_AT + 8}, {WRITE_ID_AT + 1}, -1 do
+  id = id .. string.format('%02x', string.byte(prefix, i))
+end
+for i = 1, n do
+  if redis.call('TYPE', KEYS[1] .. ':' .. id .. ':c' .. i)['ok'] ~= 'string' then
+    return {{prefix, len, n, i}}
+  end
+end
+return {{prefix, len, n, 0}}
+"""
+
+
 class Script:
     """A Lua script run by its SHA1 (``EVALSHA``), falling back to ``EVAL`` when the server
     does not know it yet (``NOSCRIPT``: first use, a restart, ``SCRIPT FLUSH``)."""
@@ -132,6 +182,7 @@ class Script:
 SWAP = Script("swap", _SWAP)
 RENEW = Script("renew", _RENEW)
 DELETE = Script("delete", _DELETE)
+DESCRIBE = Script("describe", _DESCRIBE)
 
 
 def is_noscript(reply: object) -> bool:
