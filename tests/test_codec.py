@@ -35,6 +35,8 @@ from ec_redis.codec.format import (
     MAX_NDIM,
     MAX_PRODUCER_BYTES,
     PART_BYTES_AT,
+    PAYLOAD_LEN_AT,
+    PRODUCER_LEN_AT,
     WRITE_ID_AT,
     DType,
 )
@@ -431,7 +433,8 @@ def test_fixed_header_layout() -> None:
     assert checksum == xxhash.xxh3_64_intdigest(GOLDEN_F32[HEADER_SIZE + 40 :])
     assert part_bytes == 0
     assert write_id == GOLDEN_WRITE_ID == read_header(GOLDEN_F32).write_id
-    assert (PART_BYTES_AT, WRITE_ID_AT) == (72, 80)  # the Redis tier's Lua scripts read these
+    # the Redis tier's Lua scripts read these
+    assert (PRODUCER_LEN_AT, PAYLOAD_LEN_AT, PART_BYTES_AT, WRITE_ID_AT) == (10, 56, 72, 80)
     assert header_sum == xxhash.xxh3_64_intdigest(GOLDEN_F32[:88] + GOLDEN_F32[96:136])
 
 

@@ -29,13 +29,14 @@ from redis.crc import key_slot
 from ec_redis.codec import encode_parts, read_header
 from ec_redis.codec.format import new_write_id
 from ec_redis.config import CacheConfig
-from ec_redis.embedded import EmbeddedCluster
+from ec_redis.embedded import EmbeddedCluster, EmbeddedRedis
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
-from ec_redis.tiers import bulk_read, entry_ops
+from ec_redis.tiers import bulk_read, entry_ops, scripts
 from ec_redis.tiers.layout import chunk_keys
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from tests.conftest import bit_exact, wait_for
+from tests.counters import count
 
 pytestmark = pytest.mark.redis
 
@@ -166,12 +167,12 @@ def test_two_writers_two_readers_one_item(
     assert wrong == []
     assert misses_after_landing == [], [sorted(r.stats().items()) for r in readers]
     assert all(writes.values()) and all(hits), (writes, hits)  # both writers and readers ran
-    conflicts = sum(w.stats().get("write_conflict", 0) for w in writers.values())
+    conflicts = sum(count(w.stats(), "write_conflict") for w in writers.values())
     assert conflicts <= sum(writes.values()) // 10  # racing writers mostly win their swap
     for tier in [*writers.values(), *readers]:
         s = tier.stats()
-        assert s.get("errors", 0) == 0 and s.get("internal_errors", 0) == 0, s
-        assert s.get("bad_blobs", 0) == 0 and s.get("partial_entries", 0) == 0, s
+        assert count(s, "errors") == 0 and count(s, "internal_errors") == 0, s
+        assert count(s, "bad_blobs") == 0 and count(s, "partial_entries") == 0, s
 
     fresh = make_tier(ttl_s=ttl_s)
     got = fresh.get("item")
@@ -391,7 +392,7 @@ def test_a_reader_meeting_a_bad_version_deletes_nothing_newer(
     between_round_trips(newer_version_lands_and_v1_is_damaged)
     assert reader.get("item") is None
     s = reader.stats()
-    assert s.get("bad_blobs" if damage == "corrupt" else "partial_entries", 0) == 1, s
+    assert count(s, "bad_blobs" if damage == "corrupt" else "partial_entries") == 1, s
     assert s["discards_skipped_newer"] == 1
     v2_keys = named(raw, head)
     assert len(v2_keys) == 6 and v2_keys.isdisjoint(v1_chunks)
@@ -440,7 +441,51 @@ def test_a_swap_retried_after_its_reply_was_lost_keeps_the_entry_whole(
     assert set(pttls(raw, current).values()) == {-1}
     time.sleep(GRACE_S + 0.5)
     assert bit_exact(tier.get("item"), tensor)
-    assert tier.stats().get("bad_blobs", 0) == 0
+    assert count(tier.stats(), "bad_blobs") == 0
+
+
+def test_a_retried_write_refused_after_its_first_send_landed_keeps_the_entry_whole(
+    private_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py re-sends a pipeline whose reply was lost (our client's ``Retry``). Here the
+    first send switched the entry in, then Redis filled up (``noeviction``): the re-sent SETs
+    are refused. Those keys are the current version's now; the write must not unlink them (the
+    entry would be a head naming missing chunks). The script in the re-sent pipeline sees its
+    own head current, so the write is stored, whole and without a TTL."""
+    raw = redis.Redis.from_url(private_redis.url)
+    client = make_client(CacheConfig(redis_url=private_redis.url, redis_retries=1))
+    tier = RedisTier(client, KEYS, RedisTierOptions(chunk_bytes=CHUNK, orphan_grace_s=GRACE_S))
+    assert tier.put("warm-up", bf16(4, seed=31))  # the server knows the swap script now
+    real = redis.client.Pipeline._execute_pipeline
+    sends: list[list[Any]] = []
+
+    def reply_lost_then_full(self: Any, connection: Any, commands: Any, raise_on_error: Any) -> Any:
+        replies = real(self, connection, commands, raise_on_error)  # the server ran it all
+        sends.append(replies)
+        if len(sends) == 1:
+            raw.config_set("maxmemory-policy", "noeviction")
+            raw.config_set("maxmemory", 1)  # any write that allocates is refused (OOM)
+            raise redis.ConnectionError("the reply was lost")
+        return replies
+
+    tensor = bf16(300, seed=30)
+    monkeypatch.setattr(redis.client.Pipeline, "_execute_pipeline", reply_lost_then_full)
+    try:
+        stored = tier.put("item", tensor)
+    finally:
+        monkeypatch.undo()
+        raw.config_set("maxmemory", 0)
+    assert len(sends) == 2  # the retry ran, and its SETs were refused
+    assert all(isinstance(r, redis.exceptions.OutOfMemoryError) for r in sends[1][:-1])
+    assert sends[0][-1] == sends[1][-1] == [scripts.SWAPPED]  # switched in by the first send
+    head = KEYS.head("item")
+    current = named(raw, head)
+    assert len(current) == 6 and raw.exists(*current) == 6  # the head and its five chunks
+    assert set(pttls(raw, current).values()) == {-1}
+    assert bit_exact(tier.get("item"), tensor)
+    assert stored
+    raw.close()
+    tier.close()
 
 
 def test_compare_and_delete_takes_only_the_version_it_was_given(
@@ -501,6 +546,8 @@ def test_the_scripts_run_on_a_three_master_cluster(cluster: EmbeddedCluster) -> 
             assert tier.put(key, tensor)
         got = tier.get_many(list(items))
         assert all(bit_exact(got[k], t) for k, t in items.items())
+        described = tier.describe_many(list(items))  # builds the chunk keys in its node's slot
+        assert described == {k: (t.dtype, tuple(t.shape)) for k, t in items.items()}
         owners = {cluster.key_owner(KEYS.head(k)) for k in items}
         assert len(owners) == 3  # the entries spread over every master
 
@@ -530,6 +577,6 @@ def test_the_scripts_run_on_a_three_master_cluster(cluster: EmbeddedCluster) -> 
         finally:
             node.close()
         s = tier.stats()
-        assert s.get("errors", 0) == 0 and s.get("internal_errors", 0) == 0, s
+        assert count(s, "errors") == 0 and count(s, "internal_errors") == 0, s
     finally:
         tier.close()

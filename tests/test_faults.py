@@ -24,6 +24,7 @@ from ec_redis import TieredCache
 from ec_redis.breaker import CLOSED, OPEN
 from ec_redis.embedded import EmbeddedRedis, Flavor
 from tests.conftest import bit_exact, embedding, paused, wait_for
+from tests.counters import count
 
 pytestmark = pytest.mark.redis
 
@@ -106,7 +107,7 @@ def test_paused_server_bounded_misses_breaker_cycle_and_recovery(
         for key, tensor in warm.items():  # Redis hits: the connections are open and warm
             assert bit_exact(cache.get(key), tensor)
         assert redis_stats(cache)["hits"] == len(warm)
-        written_before = writer_stats(cache).get("written", 0)
+        written_before = count(writer_stats(cache), "written")
 
         with paused(private_redis):
             # -- 1. threads get and put on the hung server until the breaker has tripped
@@ -152,7 +153,7 @@ def test_paused_server_bounded_misses_breaker_cycle_and_recovery(
             assert results and all(r is None for r in results)  # Redis had them: misses
             assert max(latencies) < GET_BOUND_S, f"slowest get {max(latencies):.2f}s"
             assert tripped["breaker_state"] != CLOSED
-            assert tripped.get("errors", 0) >= cfg["breaker_failures"]
+            assert count(tripped, "errors") >= cfg["breaker_failures"]
 
             # -- 2. while open, calls skip Redis at once; each failed probe doubles the wait.
             # The queued writes go first (failed or skipped) so that only this thread's gets
@@ -165,12 +166,12 @@ def test_paused_server_bounded_misses_breaker_cycle_and_recovery(
                 if s["breaker_trips"] >= 2 and len(skipped_latencies) >= 10:
                     break
                 assert time.monotonic() < deadline, f"no second trip: {s}"
-                before = s.get("skipped_breaker_open", 0)
+                before = count(s, "skipped_breaker_open")
                 started = time.perf_counter()
                 got = cache.get("w0")
                 elapsed = time.perf_counter() - started
                 assert got is None
-                if redis_stats(cache).get("skipped_breaker_open", 0) > before:
+                if count(redis_stats(cache), "skipped_breaker_open") > before:
                     skipped_latencies.append(elapsed)  # this get was skipped, not a probe
                 else:
                     assert elapsed < GET_BOUND_S  # it was the half-open probe: it timed out
@@ -185,8 +186,8 @@ def test_paused_server_bounded_misses_breaker_cycle_and_recovery(
             assert s["breaker_cooldown_s"] >= 2 * COOLDOWN_S
             # writes issued during the pause: none written; lost ones are counted
             w = writer_stats(cache)
-            assert w.get("written", 0) == written_before
-            assert w.get("failed", 0) + w.get("dropped", 0) > 0
+            assert count(w, "written") == written_before
+            assert count(w, "failed") + count(w, "dropped") > 0
 
         # -- 3. after SIGCONT the next probe (after the cool-down) closes the breaker
         wait_for(
@@ -274,13 +275,13 @@ def test_evicting_redis_serves_whole_entries_or_clean_misses(
     # eviction made room for every write; a write whose own keys were evicted before its
     # switch (LRU's clock ticks once a second: keys just written are candidates too) is
     # refused whole: counted, its head never switched in
-    incomplete = wr.get("write_incomplete", 0)
-    assert ws.get("written", 0) + incomplete == len(expected)
+    incomplete = count(wr, "write_incomplete")
+    assert count(ws, "written") + incomplete == len(expected)
     assert incomplete <= len(expected) // 10
-    assert s.get("bad_blobs", 0) == 0  # an evicted chunk never looks like corruption
-    assert s.get("errors", 0) == 0
+    assert count(s, "bad_blobs") == 0  # an evicted chunk never looks like corruption
+    assert count(s, "errors") == 0
     # a head whose chunk was evicted is a partial entry: a miss (and its remains unlinked)
-    assert s.get("misses", 0) == misses and s.get("partial_entries", 0) <= misses
+    assert count(s, "misses") == misses and count(s, "partial_entries") <= misses
 
 
 def test_noeviction_oom_refusals_are_counted_not_raised_and_keep_the_breaker_closed(
@@ -311,16 +312,16 @@ def test_noeviction_oom_refusals_are_counted_not_raised_and_keep_the_breaker_clo
         raw.close()
     rs, ws = s["redis"], s["writer"]
     print(f"\nnoeviction Redis: redis {rs}, writer {ws}")
-    assert rs.get("oom_errors", 0) > 0, rs
-    assert rs.get("reply_errors", 0) == 0, rs
-    assert ws.get("failed", 0) > 0 and ws["failed"] == rs["oom_errors"]
-    assert ws.get("written", 0) + ws["failed"] == len(expected)
+    assert count(rs, "oom_errors") > 0, rs
+    assert count(rs, "reply_errors") == 0, rs
+    assert count(ws, "failed") > 0 and ws["failed"] == rs["oom_errors"]
+    assert count(ws, "written") + ws["failed"] == len(expected)
     assert rs["breaker_state"] == CLOSED and rs["breaker_trips"] == 0
-    assert rs.get("skipped_breaker_open", 0) == 0
+    assert count(rs, "skipped_breaker_open") == 0
     # what was written is served whole; what was refused is a miss, and leaves no head: the
     # head is only ever set by the swap script, after it checked every chunk landed.
     assert all(t is None or bit_exact(t, expected[k]) for k, t in got.items())
-    assert sum(t is not None for t in got.values()) == ws.get("written", 0)
+    assert sum(t is not None for t in got.values()) == count(ws, "written")
     assert heads_left == []
 
 
@@ -345,7 +346,7 @@ def test_writes_during_an_outage_are_dropped_or_failed_and_counted(
         cache.put("before", tensors["k0"])
         assert cache.flush(10)
         before = writer_stats(cache)
-        assert before.get("written", 0) == 1
+        assert count(before, "written") == 1
         private_redis.kill()
         for key, tensor in tensors.items():
             started = time.monotonic()
@@ -354,15 +355,15 @@ def test_writes_during_an_outage_are_dropped_or_failed_and_counted(
         assert cache.flush(20)
         after = writer_stats(cache)
         submitted = after["submitted"] - before["submitted"]
-        failed = after.get("failed", 0) - before.get("failed", 0)
-        dropped = after.get("dropped", 0) - before.get("dropped", 0)
+        failed = count(after, "failed") - count(before, "failed")
+        dropped = count(after, "dropped") - count(before, "dropped")
         assert submitted == len(tensors)
         assert failed > 0
-        assert after.get("written", 0) == before["written"]  # nothing landed
-        assert failed + dropped + after.get("coalesced", 0) == submitted  # all accounted
+        assert count(after, "written") == before["written"]  # nothing landed
+        assert failed + dropped + count(after, "coalesced") == submitted  # all accounted
         rs = redis_stats(cache)
-        assert rs.get("write_errors", 0) >= cfg["breaker_failures"]
-        assert rs.get("write_skipped_breaker_open", 0) > 0
+        assert count(rs, "write_errors") >= cfg["breaker_failures"]
+        assert count(rs, "write_skipped_breaker_open") > 0
         assert rs["breaker_trips"] == 1
         for key, tensor in tensors.items():  # only sharing is lost, not the data
             assert bit_exact(cache.get(key), tensor)

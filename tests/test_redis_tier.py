@@ -34,6 +34,7 @@ from ec_redis.redis_conn import make_client
 from ec_redis.tiers.layout import ALLOCATOR_SLACK, chunk_keys
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from tests.conftest import bits
+from tests.counters import count
 
 pytestmark = pytest.mark.redis
 
@@ -247,13 +248,53 @@ def test_a_missing_chunk_is_a_clean_miss_and_the_rest_is_unlinked(
     assert_bit_exact(got["other"], bf16(300, 6))
     stats = tier.stats()
     assert stats["partial_entries"] == 1
-    assert stats.get("bad_blobs", 0) == 0
-    assert stats.get("errors", 0) == 0
-    assert stats.get("discards_skipped_newer", 0) == 0  # it was still current: deleted
+    assert count(stats, "bad_blobs") == 0
+    assert count(stats, "errors") == 0
+    assert count(stats, "discards_skipped_newer") == 0  # it was still current: deleted
     assert all_keys(raw) == entry_keys(raw, KEYS.head("other"), 5)  # head and chunks gone
     assert tier.get("p") is None  # still a miss, and no error
     assert tier.put("p", bf16(300, 7))  # the key is usable again
     assert_bit_exact(tier.get("p"), bf16(300, 7))
+
+
+@pytest.mark.parametrize("path", ["direct", "pipelined", "fakeredis"])
+@pytest.mark.parametrize("missing", [1, 5], ids=["first-chunk", "last-chunk"])
+def test_a_head_whose_chunk_is_gone_is_not_published(
+    redis_url: str, raw: redis.Redis, path: str, missing: int
+) -> None:
+    """A pure producer asks ``describe_many`` whether an item is published and skips encoding
+    it if so. A chunk evicted under ``allkeys-lru`` (its head stays) must make the answer "no",
+    or that item is never encoded again; whole entries and one-value ones still say yes. One
+    round trip, heads only: no value is read (and nothing is deleted: a reader cleans up)."""
+    client: Any = {
+        "direct": lambda: make_client(CacheConfig(redis_url=redis_url)),
+        "pipelined": lambda: redis.Redis.from_url(redis_url),
+        "fakeredis": fakeredis.FakeRedis,
+    }[path]()
+    tier = RedisTier(client, KEYS, RedisTierOptions(chunk_bytes=CHUNK))
+    store: Any = raw if path != "fakeredis" else client
+    assert tier.put("chunked", bf16(300, 40)) and tier.put("whole", bf16(300, 41))
+    assert tier.put("small", bf16(4, 42))
+    described = {
+        "chunked": (torch.bfloat16, (300, 512)),
+        "whole": (torch.bfloat16, (300, 512)),
+        "small": (torch.bfloat16, (4, 512)),
+        "absent": None,
+    }
+    assert tier.describe_many(list(described)) == described
+    chunks = chunks_of(store, KEYS.head("chunked"))
+    assert len(chunks) == 5
+    store.delete(chunks[missing - 1])  # as if Redis evicted it
+    if path != "fakeredis":
+        raw.config_resetstat()
+    assert tier.describe_many(list(described)) == {**described, "chunked": None}
+    stats = tier.stats()
+    assert stats["describe_incomplete"] == 1 and count(stats, "errors") == 0, stats
+    assert store.exists(KEYS.head("chunked"))
+    if path != "fakeredis":
+        calls = raw.info("commandstats")
+        assert "cmdstat_get" not in calls and "cmdstat_unlink" not in calls, calls
+    tier.close()
 
 
 # -- corrupt blobs ---------------------------------------------------------------------------
@@ -349,7 +390,7 @@ def test_a_corrupt_blob_is_a_miss_counted_and_deleted(
     assert_bit_exact(got["n"], neighbour)
     stats = tier.stats()
     assert stats["bad_blobs"] == 1
-    assert stats.get("errors", 0) == 0
+    assert count(stats, "errors") == 0
     assert stats["breaker_state"] == 0  # bad data is not a Redis outage
     remaining = all_keys(raw) - {KEYS.head("n")}
     assert head not in remaining
@@ -398,7 +439,7 @@ def test_entry_above_the_readers_max_blob_bytes_is_a_miss_but_stays(
     reader = make_tier(max_blob_bytes=100_000)
     assert reader.get("big") is None
     assert reader.stats()["oversized"] == 1
-    assert reader.stats().get("bad_blobs", 0) == 0
+    assert count(reader.stats(), "bad_blobs") == 0
     got = writer.get("big")  # valid for a reader with a larger limit: not deleted
     assert got is not None and torch.equal(got, tensor)
 
@@ -422,7 +463,91 @@ def test_forged_header_declaring_a_huge_blob_is_rejected_without_fetching_it(
     tier = make_tier()
     assert tier.get("forged") is None
     assert tier.stats()["oversized"] == 1
-    assert tier.stats().get("bad_blobs", 0) == 0
+    assert count(tier.stats(), "bad_blobs") == 0
+
+
+@pytest.mark.parametrize("path", ["direct", "pipelined"])
+def test_a_head_over_max_blob_bytes_is_refused_before_its_payload_is_received(
+    redis_url: str, raw: redis.Redis, make_tier: Callable[..., RedisTier], path: str
+) -> None:
+    """A 2 MiB one-value entry (a writer with 4 MiB chunks) read by a tier that accepts at
+    most 1 MiB: a miss counted as ``oversized``, decided from the head's first bytes. The
+    server sends this reader at most about one of its chunks (64 KiB), not the 2 MiB; the
+    batch's other item is served in the same round trip."""
+    writer = make_tier(chunk_bytes=4 * 1024 * 1024)
+    big = bf16(2048, 43)
+    assert writer.put("big", big) and writer.put("ok", bf16(4, 44))
+    assert raw.strlen(KEYS.head("big")) > 2 * 1024 * 1024  # the whole blob is its head
+    client = (
+        make_client(CacheConfig(redis_url=redis_url))
+        if path == "direct"
+        else redis.Redis.from_url(redis_url)
+    )
+    reader = RedisTier(client, KEYS, RedisTierOptions(chunk_bytes=CHUNK, max_blob_bytes=2**20))
+    before = int(raw.info("stats")["total_net_output_bytes"])
+    got = reader.get_many(["big", "ok"])
+    sent = int(raw.info("stats")["total_net_output_bytes"]) - before
+    assert got["big"] is None
+    assert_bit_exact(got["ok"], bf16(4, 44))
+    stats = reader.stats()
+    assert stats["oversized"] == 1 and count(stats, "bad_blobs") == 0, stats
+    assert sent < CHUNK + 32 * 1024, sent
+    assert_bit_exact(writer.get("big"), big)  # kept for readers with a larger limit
+    reader.close()
+
+
+def test_a_head_longer_than_this_readers_chunks_is_read_whole_in_a_second_trip(
+    make_tier: Callable[..., RedisTier],
+) -> None:
+    """A writer with larger chunks makes one-value heads longer than this reader's first read
+    of a head: within the reader's limit, that head is read again whole (``long_heads``) and
+    served; heads this reader's own writers make never take the second trip."""
+    writer = make_tier(chunk_bytes=4 * 1024 * 1024)
+    tensor = bf16(1024, 45)
+    assert writer.put("long", tensor)
+    reader = make_tier()  # 64 KiB chunks
+    assert reader.put("own", bf16(300, 46))
+    got = reader.get_many(["long", "own"])
+    assert_bit_exact(got["long"], tensor)
+    assert_bit_exact(got["own"], bf16(300, 46))
+    assert reader.stats()["long_heads"] == 1
+    assert writer.get("long") is not None and count(writer.stats(), "long_heads") == 0
+
+
+@pytest.mark.parametrize("path", ["direct", "pipelined"])
+@pytest.mark.parametrize("foreign", ["head", "chunk"])
+def test_a_key_of_another_type_costs_only_its_own_item(
+    redis_url: str, raw: redis.Redis, path: str, foreign: str
+) -> None:
+    """Someone's list under one item's head (or chunk) key: that item is a miss (and not
+    published), the batch's other two items are hits; counted as ``foreign_keys``, not an
+    outage (the breaker stays closed), and the list is left alone."""
+    client = (
+        make_client(CacheConfig(redis_url=redis_url))
+        if path == "direct"
+        else redis.Redis.from_url(redis_url)
+    )
+    tier = RedisTier(client, KEYS, RedisTierOptions(chunk_bytes=CHUNK, ttl_s=600))
+    tensors = {"a": bf16(300, 47), "b": bf16(4, 48), "c": bf16(300, 49)}
+    for key, tensor in tensors.items():
+        assert tier.put(key, tensor)
+    victim = "b" if foreign == "head" else "c"
+    key = KEYS.head(victim) if foreign == "head" else chunks_of(raw, KEYS.head(victim))[1]
+    raw.delete(key)
+    raw.rpush(key, "not", "ours")
+    got = tier.get_many(list(tensors))
+    assert got[victim] is None
+    for item in set(tensors) - {victim}:
+        assert_bit_exact(got[item], tensors[item])
+    described = tier.describe_many(list(tensors))
+    assert described[victim] is None
+    assert all(described[item] is not None for item in set(tensors) - {victim})
+    stats = tier.stats()
+    assert stats["foreign_keys"] == (2 if foreign == "head" else 1), stats
+    assert count(stats, "describe_incomplete") == (1 if foreign == "chunk" else 0), stats
+    assert stats["breaker_state"] == 0 and count(stats, "errors") == 0, stats
+    assert raw.type(key) == b"list"
+    tier.close()
 
 
 # -- TTL -------------------------------------------------------------------------------------
@@ -601,8 +726,8 @@ def test_large_entries_are_read_and_renewed_on_both_read_paths(
             assert all(raw.pttl(key) > 20_000 for key in keys), _pttls(raw, keys)
         else:
             assert all(raw.pttl(key) == -1 for key in keys)
-    assert tier.stats().get("direct_reads", 0) == (2 if path == "direct" else 0)
-    assert tier.stats().get("renew_errors", 0) == 0
+    assert count(tier.stats(), "direct_reads") == (2 if path == "direct" else 0)
+    assert count(tier.stats(), "renew_errors") == 0
     tier.close()
 
 
@@ -617,4 +742,4 @@ def test_fakeredis_with_lua_serves_the_whole_protocol() -> None:
     fake.delete("p")
     assert fake.get("p") is None
     stats = fake.stats()
-    assert "direct_reads" not in stats and stats.get("errors", 0) == 0, stats
+    assert "direct_reads" not in stats and count(stats, "errors") == 0, stats

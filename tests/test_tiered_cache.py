@@ -18,6 +18,7 @@ from ec_redis import TensorError, TieredCache
 from ec_redis.breaker import CLOSED, CircuitBreaker
 from ec_redis.embedded import EmbeddedRedis, free_port
 from tests.conftest import BlockingSink, bit_exact, embedding, paused, wait_for
+from tests.counters import count
 
 KiB = 1024
 
@@ -38,7 +39,7 @@ def stat(stats: dict[str, Any], *path: str) -> float:
     node: Any = stats
     for part in path[:-1]:
         node = node[part]
-    return float(node.get(path[-1], 0))
+    return count(node, path[-1])
 
 
 @pytest.fixture
@@ -235,7 +236,7 @@ def test_a_newer_write_of_a_pending_key_replaces_the_older(
     cache.put("k", new)
     assert bit_exact(cache.get("k"), new)  # read-your-writes sees the newest
     s = cache.stats()["writer"]
-    assert s["coalesced"] == 1 and s.get("dropped", 0) == 0
+    assert s["coalesced"] == 1 and count(s, "dropped") == 0
     sink.release.set()
     assert cache.flush(10)
     assert sink.keys == ["k0", "k"]
@@ -399,7 +400,7 @@ def test_redis_outage_mid_stream_and_recovery(private_redis: EmbeddedRedis) -> N
         def redis_stats() -> dict[str, float]:
             return cache.stats()["redis"]  # type: ignore[no-any-return]
 
-        wait_for(lambda: redis_stats().get("hits", 0) >= 10, what="Redis hits before the outage")
+        wait_for(lambda: count(redis_stats(), "hits") >= 10, what="Redis hits before the outage")
 
         private_redis.kill()
         wait_for(lambda: redis_stats()["breaker_trips"] >= 1, what="the breaker to open")
@@ -408,8 +409,8 @@ def test_redis_outage_mid_stream_and_recovery(private_redis: EmbeddedRedis) -> N
         outage = redis_stats()
         assert outage["breaker_state"] != 0
         assert outage["breaker_cooldown_s"] > cfg["breaker_cooldown_s"]  # doubled
-        assert outage.get("skipped_breaker_open", 0) > 0  # calls short-circuited meanwhile
-        assert outage.get("errors", 0) >= 3
+        assert count(outage, "skipped_breaker_open") > 0  # calls short-circuited meanwhile
+        assert count(outage, "errors") >= 3
 
         private_redis.restart()
         probe = kib_tensor(16, seed=1000)
@@ -427,7 +428,7 @@ def test_redis_outage_mid_stream_and_recovery(private_redis: EmbeddedRedis) -> N
             timeout_s=10,
             what="the original cache's breaker to close",
         )
-        hits_before = redis_stats().get("hits", 0)
+        hits_before = count(redis_stats(), "hits")
         assert bit_exact(cache.get("probe"), probe)  # read through Redis by the old instance
         assert redis_stats()["hits"] > hits_before
         raw = redis.Redis.from_url(private_redis.url)
@@ -693,11 +694,11 @@ def test_on_host_lookups_return_owned_host_tensors_and_promote_nothing() -> None
 
 
 @pytest.mark.redis
-def test_describe_many_reads_heads_only_and_sees_queued_writes(
+def test_describe_many_reads_heads_only(
     private_redis: EmbeddedRedis,
 ) -> None:
-    """A pure producer's "already published?" check: dtype and shape from the blob head
-    (or from a write still queued), never the tensor."""
+    """A pure producer's "already published?" check: dtype and shape from the blob head,
+    never the tensor."""
     with TieredCache.from_config(
         config(redis_url=private_redis.url, chunk_bytes="64KiB", cpu_cache_bytes=0)
     ) as cache:
@@ -718,7 +719,26 @@ def test_describe_many_reads_heads_only_and_sees_queued_writes(
         assert "cmdstat_get" not in stats and "cmdstat_getrange" in stats  # heads only
         client.set(head, b"ECRB not a header at all" * 8)  # corrupt: not published
         assert cache.describe_many(["big"]) == {"big": None}
-        with paused(private_redis):  # a queued write counts as published
-            cache.put("queued", small)
-            assert cache.describe_many(["queued"]) == {"queued": (torch.bfloat16, (4, 128))}
         client.close()
+
+
+def test_a_write_not_yet_in_redis_is_not_published(
+    fake_cache: Callable[..., TieredCache],
+) -> None:
+    """``describe_many`` answers "published" only once the write landed: one still queued or
+    in flight may yet be dropped (here by a full queue), and a producer told "published"
+    skips encoding the item for good."""
+    cache = fake_cache(write_queue_items=1, cpu_cache_bytes=0)
+    sink = BlockingSink(cache)
+    tensors = {key: kib_tensor(4, seed=i) for i, key in enumerate(["in-flight", "lost", "late"])}
+    cache.put("in-flight", tensors["in-flight"])
+    assert sink.started.wait(10)
+    cache.put("lost", tensors["lost"])
+    assert cache.describe_many(["in-flight", "lost"]) == {"in-flight": None, "lost": None}
+    cache.put("late", tensors["late"])  # the full queue drops "lost"
+    assert stat(cache.stats(), "writer", "dropped") == 1
+    assert cache.describe_many(list(tensors)) == dict.fromkeys(tensors)
+    sink.release.set()
+    assert cache.flush(10)
+    shape = (torch.float32, (4 * 256,))
+    assert cache.describe_many(list(tensors)) == {"in-flight": shape, "lost": None, "late": shape}

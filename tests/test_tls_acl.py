@@ -28,6 +28,7 @@ from ec_redis import TieredCache
 from ec_redis.embedded import EmbeddedRedis, Flavor, ServerBinary, free_port, terminate
 from ec_redis.errors import ConfigError, RedisSetupError
 from tests.conftest import bits, embedding
+from tests.counters import count
 
 pytestmark = pytest.mark.redis
 
@@ -60,11 +61,11 @@ def round_trip(cfg: dict[str, Any], key: str, tensor: torch.Tensor) -> None:
     with TieredCache.from_config(cfg) as writer:
         writer.put(key, tensor)
         assert writer.flush(15), "the write did not land"
-        assert writer.stats()["writer"].get("written", 0) == 1
+        assert count(writer.stats()["writer"], "written") == 1
     with TieredCache.from_config({**cfg, "cpu_cache_bytes": 0}) as reader:
         assert_bit_exact(reader.get(key), tensor)
         s = reader.stats()["redis"]
-        assert s["hits"] == 1 and s.get("errors", 0) == 0
+        assert s["hits"] == 1 and count(s, "errors") == 0
 
 
 # -- certificates ----------------------------------------------------------------------------
@@ -340,7 +341,7 @@ def user_url(server: EmbeddedRedis, user: str, password: str) -> str:
 
 def test_a_user_limited_to_the_cache_prefix_works_end_to_end(acl_server: EmbeddedRedis) -> None:
     url = user_url(acl_server, "cache", "cache-pw")
-    # ttl_s exercises SET PX and GETEX; chunk_bytes the chunked layout; delete GETRANGE,
+    # ttl_s exercises SET PX and PEXPIRE; chunk_bytes the chunked layout; delete GETRANGE,
     # STRLEN and UNLINK; contains EXISTS
     cfg = config(redis_url=url, chunk_bytes="64KiB", ttl_s=600)
     small, big = embedding(rows=4, width=WIDTH, seed=5), embedding(rows=48, width=WIDTH, seed=6)
@@ -356,7 +357,7 @@ def test_a_user_limited_to_the_cache_prefix_works_end_to_end(acl_server: Embedde
         assert not reader.contains("big")
         assert reader.get("big") is None
         s = reader.stats()["redis"]
-        assert s.get("errors", 0) == 0, s
+        assert count(s, "errors") == 0, s
         assert reader.redis is not None
         small_head = reader.redis.keys.head("small")
     admin = redis.Redis.from_url(acl_server.url)
@@ -428,12 +429,12 @@ def test_a_read_only_user_reads_and_counts_refused_writes(acl_server: EmbeddedRe
             assert cache.get(f"mine{i}") is None  # never stored; no exception escapes
         s = cache.stats()
         redis_stats, writer_stats = s["redis"], s["writer"]
-        assert redis_stats.get("noperm_errors", 0) == 5, redis_stats
-        assert redis_stats.get("write_errors", 0) == 5
-        assert redis_stats.get("reply_errors", 0) == 0
-        assert writer_stats.get("failed", 0) == 5 and writer_stats.get("written", 0) == 0
+        assert count(redis_stats, "noperm_errors") == 5, redis_stats
+        assert count(redis_stats, "write_errors") == 5
+        assert count(redis_stats, "reply_errors") == 0
+        assert count(writer_stats, "failed") == 5 and count(writer_stats, "written") == 0
         assert redis_stats["breaker_state"] == 0 and redis_stats["breaker_trips"] == 0
-        assert redis_stats.get("skipped_breaker_open", 0) == 0
+        assert count(redis_stats, "skipped_breaker_open") == 0
         assert_bit_exact(cache.get("shared"), shared)  # Redis is still used
 
 
@@ -452,5 +453,5 @@ def test_keys_outside_the_users_pattern_are_counted_refusals(acl_server: Embedde
             assert cache.get("a") is None
         assert not cache.contains("a")
         s = cache.stats()["redis"]
-        assert s.get("noperm_errors", 0) >= 5, s  # 1 write + 3 reads + 1 exists
+        assert count(s, "noperm_errors") >= 5, s  # 1 write + 3 reads + 1 exists
         assert s["breaker_state"] == 0 and s["breaker_trips"] == 0

@@ -14,6 +14,7 @@ import ec_redis.connector.connector as connector_module
 from ec_redis.connector.metadata import ECRedisMetadata, LoadItem
 from tests.conftest import embedding
 from tests.connector.conftest import request, wait_ready
+from tests.counters import count
 from tests.fake_cuda import FakeCuda
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
@@ -88,10 +89,10 @@ def test_no_failure_inside_a_save_escapes_save_caches(
     if failure in ("record_stream", "put"):  # nothing was stored: counted, tried only once
         assert snapshot["save_errors"] == 1 and "saved_items" not in snapshot
     else:  # no failure, or only the pinned block was lost (pageable instead)
-        assert snapshot.get("save_errors", 0) == 0 and snapshot["saved_items"] == 1
+        assert count(snapshot, "save_errors") == 0 and snapshot["saved_items"] == 1
         assert cache.flush(10) and stats["writer"]["submitted"] == 1
         assert stats["cpu"]["entries"] == 1
     internal = 1 if failure == "record_stream" else 0
-    assert stats.get("internal_errors", 0) == internal  # counted (and logged) by the cache
+    assert count(stats, "internal_errors") == internal  # counted (and logged) by the cache
     assert stats["gpu"]["entries"] == 0  # vLLM's encoder outputs are never held on the GPU
     assert stats["cpu"]["pinned_in_use_bytes"] <= stats["cpu"]["pinned_bytes"]

@@ -14,6 +14,7 @@ import torch
 from ec_redis.errors import ConfigError
 from tests.conftest import embedding
 from tests.connector.conftest import publish, request, vllm_config, wait_ready
+from tests.counters import count
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 Make = Callable[..., Any]
@@ -191,7 +192,7 @@ def test_a_producer_skips_items_already_published(make_connector: Make) -> None:
     scheduler.update_state_after_alloc(req, 0)
     assert scheduler.build_connector_meta(None).loads == []  # a producer loads nothing
     assert scheduler.stats_snapshot()["skipped_encodes"] == 1
-    assert scheduler.stats_snapshot().get("hits_redis", 0) == 0  # heads only: no tensor read
+    assert count(scheduler.stats_snapshot(), "hits_redis") == 0  # heads only: no tensor read
     scheduler.request_finished(req)
     assert scheduler.live_state()["items"] == 0 and scheduler.live_state()["requests"] == 0
 
@@ -278,6 +279,43 @@ def test_save_caches_returns_fast_and_survives_vllm_freeing_the_entry(
     assert wait_ready(consumer, req) and consumer.has_cache_item("img")
     consumer.update_state_after_alloc(req, 0)
     assert torch.equal(consumer.build_connector_meta(None).loads[0].tensor, tensor)
+
+
+@pytest.mark.parametrize("role", ["ec_producer", "ec_both"])
+def test_save_caches_never_waits_on_redis(
+    make_connector: Make, private_redis: Any, role: str
+) -> None:
+    """A 16 MiB save returns while Redis is stopped (SIGSTOP), where a write on the calling
+    thread would wait out the 10 s socket timeout; the write lands once Redis is back. The
+    README's "save_caches returns in µs" rests on this."""
+    from tests.conftest import bit_exact, paused
+
+    socket_timeout_s = 10.0  # what a write inside the hook would cost here
+    extra = {"redis_url": private_redis.url, "redis_socket_timeout_s": socket_timeout_s}
+    worker = make_connector(role, "worker", extra=extra, hidden=2048)
+    writer = worker._cache.writer
+    tensor = embedding(4096, 2048, seed=7)  # 16 MiB of bf16
+    assert tensor.numel() * tensor.element_size() == 16 * 2**20
+    probe = redis.Redis.from_url(private_redis.url, socket_timeout=0.2)
+    with paused(private_redis):
+        with pytest.raises(redis.TimeoutError):
+            probe.ping()  # the fault is real: Redis answers nothing
+        started = time.perf_counter()
+        worker.save_caches(encoder_cache={"big": tensor}, mm_hash="big")
+        elapsed = time.perf_counter() - started
+        assert elapsed < 1.0, elapsed  # generous: a blocking save would take >= 10 s
+        time.sleep(0.3)
+        assert writer.pending("big") is not None  # its write is stuck on the stopped server
+    assert worker.stats_snapshot()["saved_items"] == 1
+    assert writer.flush(socket_timeout_s + 5)
+    assert writer.counters.snapshot()["written"] == 1  # landed after SIGCONT: nothing lost
+    worker.shutdown()  # its cache goes with it: the consumer below reads Redis
+    consumer = make_connector("ec_consumer", extra=extra, hidden=2048)
+    req = request("r1", ("big", 4096))
+    assert wait_ready(consumer, req) and consumer.has_cache_item("big")
+    consumer.update_state_after_alloc(req, 0)
+    assert bit_exact(consumer.build_connector_meta(None).loads[0].tensor, tensor)
+    assert consumer.stats_snapshot()["hits_redis"] == 1
 
 
 def test_start_save_caches_publishes_items_from_earlier_steps_once(
@@ -441,4 +479,4 @@ def test_a_save_the_cache_refuses_is_counted_once_and_not_retried_every_step(
         worker.start_save_caches(encoder_cache=encoder_cache)
     assert calls == ["img"]
     assert worker.stats_snapshot()["save_errors"] == 1
-    assert worker.stats_snapshot().get("saved_items", 0) == 0
+    assert count(worker.stats_snapshot(), "saved_items") == 0

@@ -16,6 +16,7 @@ import torch
 
 from tests.conftest import embedding, wait_for
 from tests.connector.conftest import request, vllm_config, wait_ready
+from tests.counters import count
 
 pytestmark = pytest.mark.vllm
 Make = Callable[..., Any]
@@ -127,7 +128,7 @@ def test_scheduler_stats_are_per_interval_deltas(make_connector: Make) -> None:
     worker.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
     assert wait_ready(scheduler, request("r1", ("img", 16)))
     first = scheduler.get_ec_connector_stats()
-    assert first is not None and first.data["hits_cpu"] + first.data.get("hits_gpu", 0) == 1
+    assert first is not None and first.data["hits_cpu"] + count(first.data, "hits_gpu") == 1
     second = scheduler.get_ec_connector_stats()
     assert second is None or "hits_cpu" not in second.data
 
@@ -207,7 +208,7 @@ def test_worker_stats_reach_vllm_through_the_scheduler_half_exactly_once(
     def collect() -> None:
         stats = scheduler.get_ec_connector_stats()
         data = stats.data if stats is not None else {}
-        reported["saved_items"] += data.get("saved_items", 0)
+        reported["saved_items"] += count(data, "saved_items")
         reported["save_seconds"] += data.get("save_seconds", [])
         assert worker.get_ec_connector_stats() is None  # the V2 path reports nothing
 
@@ -266,7 +267,7 @@ def test_the_step_that_saved_reports_its_save_before_the_engine_idles(
     # update_from_output of that very step: the save is in it (no publisher tick needed).
     stats = scheduler.get_ec_connector_stats()
     assert stats is not None and stats.data.get("saved_items") == 1
-    assert run_until_idle(scheduler).get("saved_items", 0) == 0  # reported once
+    assert count(run_until_idle(scheduler), "saved_items") == 0  # reported once
 
 
 @pytest.mark.redis

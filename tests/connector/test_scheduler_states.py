@@ -13,6 +13,7 @@ import torch
 from ec_redis.config import ConnectorOptions
 from tests.conftest import embedding, wait_for
 from tests.connector.conftest import request
+from tests.counters import count
 
 pytestmark = pytest.mark.vllm
 WIDTH = 128
@@ -126,7 +127,7 @@ def test_an_abort_while_staged_then_a_miss_never_crashes_the_scheduler() -> None
     side.update_state_after_alloc(second, 0)  # vLLM reports the local encode: no raise
     assert side.build_connector_meta(None).loads == []
     side.request_finished(second)
-    assert drained(side) and side.snapshot().get("internal_errors", 0) == 0
+    assert drained(side) and count(side.snapshot(), "internal_errors") == 0
 
 
 def test_a_yes_without_an_allocation_is_forgotten_at_the_end_of_the_step() -> None:

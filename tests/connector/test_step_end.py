@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from tests.conftest import BlockingSink, embedding
+from tests.counters import count
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 Make = Callable[..., Any]
@@ -40,7 +41,7 @@ def test_a_pure_producers_step_ends_once_its_saves_are_in_redis(
     worker.build_connector_worker_meta()  # the end of vLLM's step
     assert head_exists(redis_url, worker, "img")  # in Redis before the step returned
     releaser.join()
-    assert worker.stats_snapshot().get("save_wait_timeouts", 0) == 0
+    assert count(worker.stats_snapshot(), "save_wait_timeouts") == 0
 
 
 def test_an_ec_both_step_never_waits_for_its_writes(make_connector: Make, redis_url: str) -> None:
@@ -98,7 +99,7 @@ def test_each_steps_saves_are_reported_in_that_step_however_fast_steps_come(
         assert data.get("saved_items") == 1, (name, data)
         assert len(data.get("save_seconds", [])) == 1
         assert data.get("saved_bytes") == 16 * 128 * 2
-    assert step(scheduler, worker, lambda: None).get("saved_items", 0) == 0  # once only
+    assert count(step(scheduler, worker, lambda: None), "saved_items") == 0  # once only
 
 
 def test_the_channel_file_keeps_only_observations_not_yet_reported(

@@ -26,6 +26,7 @@ import torch
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata
 from tests.conftest import bit_exact, embedding, wait_for
 from tests.connector.conftest import publish, request, wait_ready
+from tests.counters import count
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 Make = Callable[..., Any]
@@ -54,7 +55,7 @@ def reported(scheduler: Any, counter: str, want: int) -> int:
 
     def enough() -> bool:
         stats = scheduler.get_ec_connector_stats()
-        total[0] += stats.data.get(counter, 0) if stats is not None else 0
+        total[0] += count(stats.data, counter) if stats is not None else 0
         return total[0] >= want
 
     wait_for(enough, 10, f"{counter} to reach {want}")
@@ -100,7 +101,7 @@ def test_a_v2_consumer_loads_what_the_scheduler_promised_and_never_saves(
     ):
         assert bit_exact(encoder_cache["img"], tensors["img"])  # before the model runs
     scheduler.update_connector_output(output)
-    assert worker.stats_snapshot().get("saved_items", 0) == 0
+    assert count(worker.stats_snapshot(), "saved_items") == 0
     assert reported(scheduler, "loaded_items", 1) == 1
     assert redis.Redis.from_url(redis_url).dbsize() == 1
 

@@ -125,12 +125,16 @@ class Metrics:
         return cls({(m[1], m[2] or ""): float(m[3]) for m in _SAMPLE.finditer(text)})
 
     def total(self, name: str, **labels: str) -> float:
-        """Sum over the series of ``name`` that carry every given label (0 if none)."""
-        return sum(
+        """Sum over the series of ``name`` that carry every given label. None is a failure,
+        not a zero: every series the connector exports is there from the start (at 0), so a
+        missing one is a renamed or lost metric, or a misspelt name in the test."""
+        values = [
             value
             for (series, label_text), value in self.samples.items()
             if series == name and all(f'{k}="{v}"' in label_text for k, v in labels.items())
-        )
+        ]
+        assert values, f"no series {name}{labels or ''} on /metrics"
+        return sum(values)
 
     def has(self, name: str) -> bool:
         return any(series == name for series, _ in self.samples)

@@ -16,6 +16,7 @@ import torch
 
 from ec_redis.codec import decode_blob, encode_blob
 from ec_redis.codec.format import FORMAT_VERSION
+from tests.counters import count
 from tests.e2e.harness import image_request, requires_vllm, run_engine, run_engines
 
 pytestmark = [*requires_vllm, pytest.mark.redis]
@@ -85,7 +86,7 @@ def test_producer_then_consumer_equals_baseline_and_loads_from_redis(
     assert outputs(consumer) == outputs(baselines["model0"])
     stats = counters(consumer)
     assert stats["hits_redis"] == 2  # both embeddings came from Redis ...
-    assert stats.get("local_fallbacks", 0) == 0  # ... and nothing was encoded locally
+    assert count(stats, "local_fallbacks") == 0  # ... and nothing was encoded locally
     assert counters(consumer, "worker")["loaded_items"] == 2
 
     # Control: a *valid* entry holding other numbers changes the answer for that image only,
@@ -111,7 +112,7 @@ def test_ec_both_reuses_an_image_across_an_engine_restart(
     expected = outputs(baselines["model0"])[:1]
     assert outputs(second, 0) == expected and outputs(second, 1) == expected
     assert counters(second)["hits_redis"] >= 1
-    assert counters(second, "worker").get("saved_items", 0) == 0  # a hit is not re-encoded
+    assert count(counters(second, "worker"), "saved_items") == 0  # a hit is not re-encoded
 
 
 def test_a_corrupted_blob_is_a_miss_and_the_image_is_encoded_locally(

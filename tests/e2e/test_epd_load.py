@@ -171,7 +171,10 @@ def load_run(epd: Epd) -> LoadRun:
 
 
 def ec(deltas: dict[str, float], name: str) -> float:
-    return deltas.get(f"vllm:ec_redis_{name}", 0.0)
+    """The change of ``vllm:ec_redis_<name>``; a series missing from /metrics fails."""
+    series = f"vllm:ec_redis_{name}"
+    assert series in deltas, f"{series} is not on /metrics (there: {sorted(deltas)})"
+    return deltas[series]
 
 
 def test_every_item_the_encoder_published_reaches_pd_under_load(load_run: LoadRun) -> None:

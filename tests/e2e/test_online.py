@@ -127,16 +127,18 @@ def comparable(answer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def metric_total(server: ApiServer, name: str, **labels: str) -> float | None:
+def metric_total(server: ApiServer, name: str, **labels: str) -> float:
     """The sum over the label sets of ``name`` on the server's /metrics that carry every
-    given label; None if absent."""
+    given label. A missing series fails rather than reading 0: every one the connector
+    exports is there from the start."""
     text = requests.get(f"{server.url}/metrics", timeout=10).text
     values = [
         float(m.group(2))
         for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
         if all(f'{key}="{value}"' in (m.group(1) or "") for key, value in labels.items())
     ]
-    return sum(values) if values else None
+    assert values, f"no series {name}{labels or ''} on {server.url}/metrics"
+    return sum(values)
 
 
 def wait_for(check: Any, timeout_s: float = 10) -> Any:
@@ -176,7 +178,7 @@ def test_encoder_then_pd_matches_baseline(
             # scheduler half reports the worker half of its own process instead, and keeps a
             # producer-only engine stepping until its Redis writes drained.
             saved = wait_for(
-                lambda n=n: (metric_total(encoder, "vllm:ec_redis_saved_items_total") or 0) >= n
+                lambda n=n: metric_total(encoder, "vllm:ec_redis_saved_items_total") >= n
             )
             assert saved, f"encoder reports no save for image {image_seed}\n{encoder.log_tail()}"
             assert metric_total(encoder, "vllm:ec_redis_saved_items_total") == n
@@ -184,13 +186,11 @@ def test_encoder_then_pd_matches_baseline(
 
             # PD took every image from Redis and encoded none itself. These counters come
             # from the connector's scheduler half, which vLLM polls every step.
-            hits = wait_for(
-                lambda n=n: (metric_total(pd, "vllm:ec_redis_hits_redis_total") or 0) >= n
-            )
+            hits = wait_for(lambda n=n: metric_total(pd, "vllm:ec_redis_hits_redis_total") >= n)
             assert hits, f"PD has no Redis hit for image {image_seed}\n{pd.log_tail()}"
             assert metric_total(pd, "vllm:ec_redis_hits_redis_total") == n
-            assert metric_total(pd, "vllm:ec_redis_local_fallbacks_total") in (0, None)
-            assert metric_total(pd, "vllm:ec_redis_rejected_items_total") in (0, None)
+            assert metric_total(pd, "vllm:ec_redis_local_fallbacks_total") == 0
+            assert metric_total(pd, "vllm:ec_redis_rejected_items_total") == 0
 
         # The check is not vacuous: the two images really change the model's view.
         assert baselines[0]["prompt_token_ids"] == baselines[1]["prompt_token_ids"]
@@ -198,7 +198,7 @@ def test_encoder_then_pd_matches_baseline(
         # Both writes landed and were reported (the engine kept stepping until they drained).
         # Here both connector halves share one process and one cache;
         # test_online_default_layout.py checks the same counters across processes.
-        written = metric_total(encoder, "vllm:ec_redis_redis_written_bytes_total") or 0
+        written = metric_total(encoder, "vllm:ec_redis_redis_written_bytes_total")
         assert written >= 2 * 16 * 128 * 2  # two 16x128 bf16 embeddings, plus headers
     finally:
         store.close()
@@ -210,7 +210,7 @@ def test_a_request_aborted_while_it_waits_leaves_pd_healthy(
     """A client gives up on PD while PD waits for an image no encoder will ever publish:
     vLLM aborts the request mid-wait; PD keeps serving, correctly, and holds nothing."""
     baseline, encoder, pd = (online_servers[n] for n in ("baseline", "encoder", "pd"))
-    fallbacks_before = metric_total(pd, "vllm:ec_redis_local_fallbacks_total") or 0
+    fallbacks_before = metric_total(pd, "vllm:ec_redis_local_fallbacks_total")
     started = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
         abandoned = pool.submit(
@@ -228,14 +228,14 @@ def test_a_request_aborted_while_it_waits_leaves_pd_healthy(
     gone = wait_for(lambda: metric_total(pd, "vllm:num_requests_waiting") == 0, timeout_s=5)
     assert gone and time.monotonic() - started < 8, f"not aborted mid-wait\n{pd.log_tail()}"
     time.sleep(10)  # past the wait: an un-aborted request would now be encoded locally
-    assert (metric_total(pd, "vllm:ec_redis_local_fallbacks_total") or 0) == fallbacks_before
+    assert metric_total(pd, "vllm:ec_redis_local_fallbacks_total") == fallbacks_before
     assert requests.get(f"{pd.url}/health", timeout=10).status_code == 200
 
-    hits_before = metric_total(pd, "vllm:ec_redis_hits_redis_total") or 0
+    hits_before = metric_total(pd, "vllm:ec_redis_hits_redis_total")
     body = chat_request(tiny_model, 6)
     post_chat(encoder, body)
     assert comparable(post_chat(pd, body)) == comparable(post_chat(baseline, body))
-    assert wait_for(lambda: (metric_total(pd, "vllm:ec_redis_hits_redis_total") or 0) > hits_before)
+    assert wait_for(lambda: metric_total(pd, "vllm:ec_redis_hits_redis_total") > hits_before)
     # Nothing of the aborted request (or the served one) is still staged or reserved.
-    assert wait_for(lambda: metric_total(pd, "vllm:ec_redis_staged_bytes") in (0, None))
-    assert metric_total(pd, "vllm:ec_redis_reserved_bytes") in (0, None)
+    assert wait_for(lambda: metric_total(pd, "vllm:ec_redis_staged_bytes") == 0)
+    assert metric_total(pd, "vllm:ec_redis_reserved_bytes") == 0

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.counters import count
 from tests.e2e.harness import EngineRunError, image_request, requires_vllm, run_engine
 from tests.e2e.test_engine import REQUESTS, connector, counters, outputs, spec
 
@@ -63,7 +64,7 @@ def test_a_restarted_producer_runs_no_encoder_and_writes_nothing_for_published_i
     assert writes(client) == {}  # ... and nothing was rewritten
     assert sorted(client.scan_iter("*")) == keys_before
     assert counters(restarted)["skipped_encodes"] == len(REQUESTS)
-    assert counters(restarted, "worker").get("saved_items", 0) == 0
+    assert count(counters(restarted, "worker"), "saved_items") == 0
     client.close()
 
 

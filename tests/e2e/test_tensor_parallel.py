@@ -25,6 +25,7 @@ import torch
 
 from ec_redis.connector.metadata import ECRedisMetadata, LoadItem
 from ec_redis.connector.transport import FILE_PREFIX, default_directory
+from tests.counters import count
 from tests.e2e.harness import requires_vllm, run_engine, run_engines, tiny_llava
 from tests.e2e.step_probe import shipped
 from tests.e2e.test_engine import REQUESTS, connector, counters, outputs, spec
@@ -114,8 +115,8 @@ def test_a_tp2_consumer_loads_from_redis_and_matches_its_tp2_baseline(
     assert consumer["encoder_passes_per_rank"] == [0, 0]  # neither rank encoded anything
     stats = counters(consumer)
     assert stats["hits_redis"] == len(REQUESTS)  # both embeddings came from Redis
-    assert stats.get("local_fallbacks", 0) == 0
-    assert stats["staged_files"] == len(REQUESTS) and stats.get("stage_inline_fallbacks", 0) == 0
+    assert count(stats, "local_fallbacks") == 0
+    assert stats["staged_files"] == len(REQUESTS) and count(stats, "stage_inline_fallbacks") == 0
 
     # What vLLM pickled to the ranks: ids and file names, never the tensors.
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ec_redis.fingerprint import weights_fingerprint
+from tests.counters import count
 from tests.e2e.harness import requires_vllm, run_engines
 from tests.e2e.test_engine import connector, counters, outputs, spec
 
@@ -52,7 +53,7 @@ def test_new_weights_in_the_same_path_never_get_the_old_entries(
     new = second["new"]
     assert new["shutdown_errors"] == []
     assert outputs(new) == outputs(first["baseline1"])
-    assert counters(new).get("hits_redis", 0) == 0  # the old entries are unreachable ...
+    assert count(counters(new), "hits_redis") == 0  # the old entries are unreachable ...
     assert counters(new)["local_fallbacks"] == 2  # ... so both images were encoded here
 
     # Control: under the old identity the stale entries are found, and serving them changes

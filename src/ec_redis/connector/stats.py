@@ -31,6 +31,9 @@ COUNTERS: dict[str, str] = {
     "redis_errors": "Failed Redis reads (counted as misses)",
     "redis_write_errors": "Failed Redis writes (the entry stays local; sharing is lost)",
     "bad_blobs": "Corrupt, truncated or foreign blobs rejected and deleted",
+    "oversized_blobs": "Entries larger than max_blob_bytes, refused from their header alone",
+    "foreign_keys": "Keys of another Redis type where an entry belongs (each one miss)",
+    "incomplete_entries": "Published heads whose chunks are gone (the producer republishes)",
     "write_drops": "Pending Redis writes dropped because the write queue was full",
     "rejected_items": "Fetched items refused because dtype/width/rows disagreed with the request",
     "local_fallbacks": "Items encoded locally because the cache could not provide them",
@@ -215,6 +218,9 @@ def read_counters(stats: dict[str, Any]) -> dict[str, float]:
         "misses": stats.get("misses", 0),
         "redis_errors": redis.get("errors", 0) - redis.get("write_errors", 0),
         "bad_blobs": redis.get("bad_blobs", 0),
+        "oversized_blobs": redis.get("oversized", 0),
+        "foreign_keys": redis.get("foreign_keys", 0),
+        "incomplete_entries": redis.get("describe_incomplete", 0),
     }
     if redis:
         out["breaker_state"] = redis.get("breaker_state", 0)
