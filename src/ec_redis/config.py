@@ -371,10 +371,11 @@ class ConnectorOptions:
     fetch_wait_s: float = field(
         default=10.0,
         metadata=_key(
-            _float_at_least(0.0),
+            _float_at_least(0.001),
             "10.0",
             "Consumers: longest a request waits on one lookup in flight (a paused or slow "
-            "Redis); then the item counts as undeliverable (on_missing decides).",
+            "Redis), and beyond consumer_wait_s in all; then the item counts as undeliverable "
+            "(on_missing decides).",
         ),
     )
     on_missing: str = field(

@@ -330,7 +330,7 @@ def test_start_save_caches_publishes_items_from_earlier_steps_once(
     assert redis.Redis.from_url(redis_url).dbsize() == 1
 
 
-def test_load_skips_items_already_present_and_never_aliases_cache_memory(
+def test_load_replaces_a_stale_tensor_and_never_aliases_cache_memory(
     make_connector: Make,
 ) -> None:
     publish(make_connector, {"a": embedding(16, 128, seed=1), "b": embedding(16, 128, seed=2)})
@@ -342,14 +342,16 @@ def test_load_skips_items_already_present_and_never_aliases_cache_memory(
         assert scheduler.has_cache_item(req.mm_features[index].identifier)
         scheduler.update_state_after_alloc(req, index)
     meta = scheduler.build_connector_meta(None)
-    present = torch.zeros(16, 128, dtype=torch.bfloat16)
-    encoder_cache = {"a": present}
+    # vLLM evicted "a" this pass and kept the worker's (stale) copy: the load replaces it
+    stale = torch.zeros(16, 128, dtype=torch.bfloat16)
+    encoder_cache = {"a": stale}
     worker.bind_connector_metadata(meta)
     worker.start_load_caches(encoder_cache)
-    assert encoder_cache["a"] is present
-    loaded = next(load.tensor for load in meta.loads if load.mm_hash == "b")
-    assert torch.equal(encoder_cache["b"], loaded)
-    assert encoder_cache["b"].data_ptr() != loaded.data_ptr()
+    for item in ("a", "b"):
+        loaded = next(load.tensor for load in meta.loads if load.mm_hash == item)
+        assert loaded is not None and torch.equal(encoder_cache[item], loaded)
+        assert encoder_cache[item].data_ptr() != loaded.data_ptr()
+    assert encoder_cache["a"] is not stale
 
 
 def test_models_sharing_one_redis_never_read_each_others_entries(make_connector: Make) -> None:

@@ -198,8 +198,8 @@ def test_a_wrong_dtype_fails_the_request_under_on_missing_fail() -> None:
     _fails(side, req, "refused")
 
 
-def test_an_item_that_outgrew_its_reservation_fails_the_request_under_on_missing_fail() -> None:
-    # Reserved for 8 rows (the request's size); the stored item has 64: no room for it.
+def test_an_item_that_can_never_fit_fails_the_request_under_on_missing_fail() -> None:
+    # Reserved for 8 rows (the request's size); the stored item has 64: no room for it, ever.
     side, cache, _ = make_side(on_missing="fail", stage_bytes=8 * WIDTH * 2 + 100)
     cache.stored["u"] = embedding(64, WIDTH)
     req = request("r1", ("u", 8))
@@ -208,7 +208,7 @@ def test_an_item_that_outgrew_its_reservation_fails_the_request_under_on_missing
     cache.open()
     settle(side, generation)
     assert counter(side, "stage_overflow") == 1
-    _fails(side, req, "refused")
+    _fails(side, req, "stage_full")  # looked for again with its real size: never fits
 
 
 def test_an_internal_error_fails_a_media_less_request_instead_of_encoding(

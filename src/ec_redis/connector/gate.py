@@ -42,6 +42,7 @@ class RequestRecord:
     first_seen: float
     wanted: set[str] = field(default_factory=set)  # staging entries it registered in
     held_at: int = -1  # stager generation when it was last held back
+    waiting_since: float | None = None  # first held in this episode (None: let through)
     next_look: float = math.inf  # when a held request must be looked at again anyway
 
 
@@ -73,6 +74,9 @@ class RequestGate:
         # Per step (reset by ``new_step``): for each request ``ready`` let through, the
         # staged items a "yes" may promise (``has_cache_item`` answers from these alone).
         self.verdicts: dict[str, dict[str, Found]] = {}
+        # Producers, per step: request -> identifier -> (cache id, rows) known to be missing
+        # from Redis when the request was let through.
+        self.unpublished: dict[str, dict[str, tuple[str, int]]] = {}
         self.held_this_step = False  # reset by the scheduler half at the end of each step
 
     def ready(self, request: Any, num_computed_tokens: int) -> bool:
@@ -95,12 +99,14 @@ class RequestGate:
         elif record.held_at == self._stager.generation and now < record.next_look:
             return self._hold()  # nothing it waits for can have changed since
         generation = self._stager.generation  # read before looking at any entry
+        if record.waiting_since is None:
+            record.waiting_since = now
         if self._is_consumer:
             ready, next_look = self._evaluate_loads(request, record, needed, now)
         else:
             ready, next_look = self._evaluate_published(request, record, needed, now)
         if ready:
-            record.held_at = -1
+            record.held_at, record.waiting_since = -1, None
             return True
         record.held_at, record.next_look = generation, next_look
         return self._hold()
@@ -151,7 +157,12 @@ class RequestGate:
         when a feature naming it carries no media, fails the request."""
         request_id = request.request_id
         next_look = math.inf
-        wait_deadline = record.first_seen + self._wait_s
+        # One wait per episode (from when the request was first held until it is let
+        # through): absent items for consumer_wait_s, and nothing at all, lookups in flight
+        # included, past fetch_wait_s more, however often announcements restart a lookup.
+        start = now if record.waiting_since is None else record.waiting_since
+        wait_deadline = start + self._wait_s
+        give_up = wait_deadline + self._options.fetch_wait_s
         waiting: set[str] = set()
         blocked: dict[str, str] = {}  # identifier -> why it cannot be delivered
         verdicts: dict[str, Found] = {}
@@ -166,8 +177,15 @@ class RequestGate:
                 record.wanted.add(key)
             state = None if entry is None else entry.state
             if entry is None or state == ABSENT:
-                if entry is not None and now >= wait_deadline:
-                    blocked[item] = "absent"
+                why = "absent" if entry is None else entry.last_miss
+                if entry is not None and (
+                    now >= wait_deadline
+                    or (why == "stage_full" and not self._must_deliver(request, item))
+                ):
+                    blocked[item] = why  # encoded here now, or failed below
+                    continue
+                if now >= give_up:
+                    blocked[item] = "timeout"
                     continue
                 waiting.add(item)
                 due = now if entry is None else entry.since + self._options.recheck_s
@@ -179,7 +197,7 @@ class RequestGate:
                     next_look = min(next_look, due, wait_deadline)
             elif state == FETCHING:
                 assert entry is not None
-                deadline = entry.since + self._options.fetch_wait_s
+                deadline = min(entry.since + self._options.fetch_wait_s, give_up)
                 if now >= deadline:
                     blocked[item] = "timeout"  # a paused or stuck Redis: wait no longer
                     continue
@@ -195,7 +213,7 @@ class RequestGate:
                     blocked[item] = "rows"
                 else:
                     verdicts[item] = found
-            else:  # REFUSED: wrong dtype or width, or no room once its real size was known
+            else:  # REFUSED: wrong dtype or width
                 blocked[item] = "refused"
         if look:
             _, refused = self._stager.fetch(look, request_id)
@@ -216,7 +234,22 @@ class RequestGate:
         if reused:
             self.counters.inc("rejected_items", reused)
         self.verdicts[request_id] = verdicts
+        if self._is_producer:  # ec_both: what vLLM may already hold and Redis lacks
+            self._note_unpublished(request, needed, blocked, "absent")
         return True, math.inf
+
+    def _note_unpublished(
+        self, request: Any, needed: Needed, missing: Any, why: str | None = None
+    ) -> None:
+        """Producers: the needed items known to be missing from Redis (``missing``: their
+        identifiers, or identifier -> why). If vLLM neither loads nor encodes one this step
+        (its own encoder cache holds it), the worker republishes it from there."""
+        out: dict[str, tuple[str, int]] = {}
+        for index, item, key, _ in needed:
+            if item in missing and (why is None or missing[item] == why):
+                out[item] = (key, request.get_num_encoder_embeds(index))
+        if out:
+            self.unpublished[request.request_id] = out
 
     def _must_deliver(self, request: Any, item: str) -> bool:
         """Whether ``item`` may not be encoded here: ``on_missing: fail`` on a pure
@@ -238,6 +271,7 @@ class RequestGate:
         look: list[tuple[str, str, int]] = []
         in_flight = False
         verdicts: dict[str, Found] = {}
+        absent: set[str] = set()
         rows = rows_by_item(request)
         for _, item, key, modality in needed:
             entry = self._stager.get(key)
@@ -254,11 +288,14 @@ class RequestGate:
             found = entry.found if entry.state == STAGED else None
             if found is not None and rows[item] == {found.rows}:
                 verdicts[item] = found
+            elif entry.state == ABSENT:
+                absent.add(item)
         if look and self._start(look, request_id, record):
             in_flight = True
         if checking and in_flight:
             return False, deadline
         self.verdicts[request_id] = verdicts
+        self._note_unpublished(request, needed, absent)
         return True, math.inf
 
     def _start(
@@ -287,9 +324,15 @@ class RequestGate:
         except Exception:  # unreadable features: vLLM cannot encode them either way
             return False
 
-    def let_go(self, request: Any, identifier: str) -> None:
-        """The request no longer needs the item vLLM names ``identifier`` (loaded, or
-        consumed)."""
+    def let_go(self, request: Any, index: int) -> None:
+        """The request no longer needs feature ``index`` (loaded, or consumed). Its item
+        stays staged while a later feature of the request names it too: vLLM may evict its
+        own copy before then and ask again."""
+        features = request.mm_features
+        identifier = features[index].identifier
+        offset = features[index].mm_position.offset
+        if any(f.identifier == identifier and f.mm_position.offset > offset for f in features):
+            return
         key = cache_id(identifier, request_salt(request))
         if key is None:
             return
@@ -304,6 +347,7 @@ class RequestGate:
         record = self._records.pop(request_id, None)
         self._unavailable.discard(request_id)
         self.verdicts.pop(request_id, None)
+        self.unpublished.pop(request_id, None)
         if record is not None:
             for item in record.wanted:
                 self._stager.release(item, request_id)
@@ -321,9 +365,11 @@ class RequestGate:
 
     def new_step(self) -> None:
         self.verdicts.clear()
+        self.unpublished.clear()
         self.held_this_step = False
 
     def clear(self) -> None:
         self._records.clear()
         self._unavailable.clear()
         self.verdicts.clear()
+        self.unpublished.clear()

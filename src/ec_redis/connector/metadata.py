@@ -36,6 +36,9 @@ class ECRedisMetadata(ECConnectorMetadata):
     # Items encoded this step for requests with a cache_salt: the cache ids to save them
     # under (``ids.cache_id``); any other item is saved under its own identifier.
     save_as: dict[str, list[str]] = field(default_factory=dict)
+    # Producers: (identifier, cache id, rows) of items Redis lacks that vLLM's own encoder
+    # cache serves this step: written from there (``start_save_caches``).
+    republish: list[tuple[str, str, int]] = field(default_factory=list)
     # Per stats-channel file: the last worker observation the scheduler half has reported
     # (channel.py); the worker that publishes it drops those.
     stats_ack: dict[str, int] = field(default_factory=dict)

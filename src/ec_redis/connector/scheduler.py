@@ -98,6 +98,7 @@ class SchedulerSide:
         self._current: Any = None  # the request ensure_cache_available saw last
         self._answers: dict[tuple[str, str], Found] = {}  # (request id, item): promised
         self._save_as: dict[str, set[str]] = {}  # item -> cache ids of salted local encodes
+        self._allocated: set[tuple[str, str]] = set()  # (request id, item) allocated
         self._loads: dict[str, LoadItem] = {}
         self._step_start: float | None = None
         self._step = 0  # numbers the metadata; workers acknowledge the steps they ran
@@ -182,6 +183,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         try:
             item = request.mm_features[index].identifier
+            self._allocated.add((request.request_id, item))
             found = self._answers.get((request.request_id, item))
             if found is None:  # encoded locally: a salted request's encode is saved as such
                 salt = request_salt(request)
@@ -196,15 +198,20 @@ class SchedulerSide:
                     return
                 if item not in self._loads:
                     self._loads[item] = self._transport.load(item, found, self._step)
-            self._gate.let_go(request, item)
+            self._gate.let_go(request, index)
         except Exception as exc:
             self.internal_error("update_state_after_alloc", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECRedisMetadata:
         save_as = {item: sorted(keys) for item, keys in self._save_as.items()}
-        meta = ECRedisMetadata(loads=list(self._loads.values()), step=self._step, save_as=save_as)
+        meta = ECRedisMetadata(
+            loads=list(self._loads.values()),
+            step=self._step,
+            save_as=save_as,
+            republish=self._republish(scheduler_output),
+        )
         answers, self._loads, self._answers, self._current = self._answers, {}, {}, None
-        self._save_as = {}
+        self._save_as, self._allocated = {}, set()
         self._step += 1
         try:
             if self._is_consumer:
@@ -218,6 +225,27 @@ class SchedulerSide:
         self._step_start = None
         self._gate.new_step()
         return meta
+
+    def _republish(self, scheduler_output: Any) -> list[tuple[str, str, int]]:
+        """Producers: items Redis lacks that a scheduled request needs and vLLM neither
+        loaded nor encoded this step (its own encoder cache holds them: another salt's
+        encode, or an entry Redis evicted): the worker writes them from there."""
+        if not self._is_producer:
+            return []
+        try:
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            out: list[tuple[str, str, int]] = []
+            for request_id, items in self._gate.unpublished.items():
+                if request_id not in scheduled:
+                    continue
+                for item, (key, rows) in items.items():
+                    done = (request_id, item) in self._allocated
+                    if not done and (request_id, item) not in self._answers:
+                        out.append((item, key, rows))
+            return out
+        except Exception as exc:
+            self.internal_error("build_connector_meta", exc)
+            return []
 
     @staticmethod
     def _idle(scheduler_output: Any) -> bool:
@@ -280,7 +308,7 @@ class SchedulerSide:
 
     def update_state_after_free(self, request: Any, index: int) -> None:
         try:
-            self._gate.let_go(request, request.mm_features[index].identifier)
+            self._gate.let_go(request, index)
         except Exception as exc:
             self.internal_error("update_state_after_free", exc)
 

@@ -4,9 +4,10 @@ until a step loads it or no live request wants it any more.
 An entry's life::
 
     FETCHING (bytes reserved) ──► STAGED (found: a tensor, or a producer's description)
-                               ├─► ABSENT (a later look may refetch it)
-                               └─► REFUSED (wrong dtype/width, or no room once its real
-                                            size was known)
+                               ├─► ABSENT (not found, or no room once its real size was
+                               │           known: a later look may refetch it, reserving
+                               │           that size)
+                               └─► REFUSED (wrong dtype or width: never for this model)
 
 It dies when the last request that wants it lets go (loaded, freed, finished, aborted), or
 after ``idle_ttl_s`` untouched (a safety net, never the mechanism). A lookup in flight keeps
@@ -81,6 +82,7 @@ class Entry:
     reserved: int = 0  # bytes reserved while FETCHING
     estimate: int = 0  # what a fetch of it reserves
     announced: bool = False  # a writer announced it while a (possibly stale) look ran
+    last_miss: str = "absent"  # why it is ABSENT: "absent", or "stage_full" (no room)
     found: Found | None = None
     wanted_by: set[str] = field(default_factory=set)
 
@@ -153,6 +155,8 @@ class Stager:
                 return [], [item for item, _, _ in wanted]
             for item, modality, reserve in wanted:
                 entry = self._entries.get(item)
+                if entry is not None:
+                    reserve = max(reserve, entry.estimate)  # its real size, once seen
                 if entry is not None and entry.state != ABSENT:
                     # on its way, or settled since the caller looked (a push's lookup)
                     entry.wanted_by.add(request_id)
@@ -236,11 +240,13 @@ class Stager:
             self.counters.inc("lookup_errors")
             self._log.warning("stage", "ec_redis: lookup failed: %r", exc)
             found, problems = {}, {}
-        kept = {
-            item: self._kept(result)
+        usable = {
+            item: result
             for item, result in found.items()
             if result is not None and problems.get(item) is None
         }
+        overflow = self._reserve_real_sizes(usable)
+        kept = {item: self._kept(result) for item, result in usable.items() if item not in overflow}
         now = self._clock()
         unused: list[Found] = []
         again: list[str] = []
@@ -260,6 +266,9 @@ class Stager:
                     again.append(item)
                     continue
                 result = kept.get(item, found.get(item))
+                if entry is not None and entry.state == FETCHING and item in overflow:
+                    self._overflow_locked(entry, overflow[item], now)
+                    continue
                 settled = (
                     entry is not None
                     and entry.state == FETCHING
@@ -276,6 +285,36 @@ class Stager:
         if again:
             self.counters.inc("nudged", len(again))
             self._submit(again)
+
+    def _reserve_real_sizes(self, usable: Mapping[str, Found]) -> dict[str, int]:
+        """Before any found item is staged (written to ``stage_dir``), swap its estimated
+        reservation for its real size where that fits; the rest overflow (item -> size), so a
+        batch whose estimates were low never stages more than ``stage_bytes``."""
+        overflow: dict[str, int] = {}
+        with self._lock:
+            for item, result in usable.items():
+                entry = self._entries.get(item)
+                if entry is None or entry.state != FETCHING:
+                    continue
+                size = result.nbytes
+                if self._used_locked() - entry.reserved + size > self.stage_bytes:
+                    overflow[item] = size
+                    continue
+                self.reserved_bytes += size - entry.reserved
+                entry.reserved = size
+        return overflow
+
+    def _overflow_locked(self, entry: Entry, size: int, now: float) -> None:
+        """The item is larger than its reservation and the room left: no bytes are kept;
+        it counts as missing for now (looked for again, reserving its real size)."""
+        entry.announced = False
+        self.reserved_bytes -= entry.reserved
+        entry.reserved, entry.since = 0, now
+        self.counters.inc("stage_overflow")
+        if not entry.wanted_by:
+            del self._entries[entry.item]
+            return
+        entry.state, entry.estimate, entry.last_miss = ABSENT, size, "stage_full"
 
     def _kept(self, result: Found) -> Found:
         if self._keep is None:
@@ -308,7 +347,7 @@ class Stager:
             del self._entries[entry.item]
             return False
         if result is None:
-            entry.state = ABSENT
+            entry.state, entry.last_miss = ABSENT, "absent"
             return False
         if problem is not None:
             entry.state = REFUSED
@@ -318,8 +357,8 @@ class Stager:
             )
             return False
         size = result.nbytes
-        if self._used_locked() + size > self.stage_bytes:
-            entry.state = REFUSED  # bigger than its reservation, and no room for the rest
+        if self._used_locked() + size > self.stage_bytes:  # its real size was reserved
+            entry.state, entry.estimate, entry.last_miss = ABSENT, size, "stage_full"
             self.counters.inc("stage_overflow")
             return False
         entry.state, entry.found = STAGED, result

@@ -27,6 +27,7 @@ COUNTERS: dict[str, str] = {
     "saved_items": "Encoder outputs handed to the cache by producers",
     "saved_bytes": "Bytes of encoder outputs handed to the cache by producers",
     "save_errors": "Encoder outputs the cache refused (too large, or an internal error)",
+    "republished_items": "Items written again from vLLM's encoder cache because Redis lacked them",
     "redis_written_bytes": "Bytes written to Redis",
     "redis_errors": "Failed Redis reads (counted as misses)",
     "redis_write_errors": "Failed Redis writes (the entry stays local; sharing is lost)",

@@ -82,8 +82,10 @@ class WorkerSide:
             return
         started = time.perf_counter()
         for load in meta.loads:
-            if load.mm_hash in encoder_cache:
-                continue
+            # Always replace: the scheduler promised only what vLLM's encoder cache does not
+            # hold, so a tensor already under the id is one vLLM evicted this very pass (it
+            # keeps the worker's copy when it allocates the id again: the new value
+            # overwrites it), possibly another item's or another salt's.
             tensor = self._to_rank(load)
             encoder_cache[load.mm_hash] = tensor
             self._published.add(load.mm_hash)  # it came from the cache: nothing to publish
@@ -151,12 +153,27 @@ class WorkerSide:
         self._observe("save_seconds", time.perf_counter() - started)
 
     def start_save_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Any = None) -> None:
-        """Publish items cached in earlier steps that never went through ``save_caches``."""
+        """Publish items cached in earlier steps that never went through ``save_caches``,
+        and those the scheduler half found missing from Redis while vLLM's encoder cache
+        serves them (``republish``: evicted from Redis, or needed under another salt)."""
         if not self._saves:
             return
         for mm_hash in list(encoder_cache):
             if mm_hash not in self._published:
                 self.save_caches(encoder_cache, mm_hash, meta, fresh=False)
+        for item, key, rows in meta.republish if isinstance(meta, ECRedisMetadata) else ():
+            tensor = encoder_cache.get(item)
+            if tensor is None or tensor.dim() != 2 or tensor.shape[0] != rows:
+                continue  # not (or no longer) the item the request names
+            try:
+                stored = self._cache.put(key, tensor)
+            except Exception as exc:  # a failed save costs sharing, never the step
+                self._log.warning("save", "ec_redis: cannot republish %r: %r", item, exc)
+                stored = False
+            if stored:
+                self.counters.inc("republished_items")
+                if self._save_wait_s > 0:
+                    self._step_saves.append(key)
 
     def worker_meta(self, meta: Any) -> ECRedisWorkerMetadata:
         """Queued writes, and the step whose metadata this rank just ran (its loads are done,
