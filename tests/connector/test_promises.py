@@ -328,3 +328,21 @@ def test_stage_bytes_bounds_files_in_transit_under_async_scheduling(tmp_path: Pa
     assert _staged_file_bytes(tmp_path) == 0
     assert side.live_state()["transit_bytes"] == 0
     side.shutdown()
+
+
+def test_one_id_at_two_sizes_in_one_request_leaves_nothing_behind() -> None:
+    """The request names "u" at 64 and then 16 rows, and staging has room for the smaller
+    reservation only: on the first version of this change the first look was refused and the
+    second started, the request never recorded the entry it wanted, and
+    ``request_finished`` left it staged (until ``idle_ttl_s``)."""
+    side, cache, _ = make_side(stage_bytes=2 * 16 * WIDTH * 2)
+    cache.stored["u"] = embedding(16, WIDTH)
+    req = request("r1", ("u", 64), ("u", 16))
+    side.ensure_cache_available(req, 0)
+    cache.open(4)  # whatever lookups started return
+    wait_for(lambda: side._stager.in_flight == 0, 10, "lookups to return")
+    assert side.ensure_cache_available(req, 0) is True  # no room, or rows disagree: encoded
+    assert side.has_cache_item("u") is False
+    side.request_finished(req)
+    state = side.live_state()
+    assert (state["items"], state["staged_bytes"], state["requests"]) == (0, 0, 0), state

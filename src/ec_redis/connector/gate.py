@@ -28,6 +28,17 @@ MAX_REQUESTS = 65536  # request records; vLLM finishes every request, this is a 
 Needed = list[tuple[int, str, str, str]]
 
 
+def _one_per_key(look: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """One look per cache id (a request naming one id at two sizes asks twice), reserving
+    the larger size: with two, staging could start one and refuse the other, and the
+    request would want an entry it never recorded (and so never released)."""
+    out: dict[str, tuple[str, str, int]] = {}
+    for key, modality, reserve in look:
+        if key not in out or reserve > out[key][2]:
+            out[key] = (key, modality, reserve)
+    return list(out.values())
+
+
 def rows_by_item(request: Any) -> dict[str, set[int]]:
     """The embedding rows of every feature of ``request``, by identifier (a client id reused
     for items of other sizes has several)."""
@@ -216,6 +227,7 @@ class RequestGate:
             else:  # REFUSED: wrong dtype or width
                 blocked[item] = "refused"
         if look:
+            look = _one_per_key(look)
             _, refused = self._stager.fetch(look, request_id)
             record.wanted.update(key for key, _, _ in look if key not in refused)
             for item in {identifier_of[key] for key in refused}:  # staging is full now
@@ -301,6 +313,7 @@ class RequestGate:
     def _start(
         self, look: list[tuple[str, str, int]], request_id: str, record: RequestRecord
     ) -> bool:
+        look = _one_per_key(look)
         _, refused = self._stager.fetch(look, request_id)
         record.wanted.update(key for key, _, _ in look if key not in refused)
         return len(refused) < len(look)  # something is on its way (started or joined)
