@@ -3,26 +3,32 @@
 One process, as vLLM's single-process (``uni``) executor has it: the ``Scheduler`` builds the
 scheduler half of the connector through vLLM's factory; the worker half is vLLM's per-process
 singleton (``ensure_ec_transfer_initialized``, as ``gpu_worker`` does), driven by the
-simulated model runner in ``simulated_worker``. ``EngineDriver.step`` is ``EngineCore.step``:
-schedule, execute, process aborts, ``update_from_output``.
+simulated model runner in ``simulated_worker``. ``EngineDriver.step`` is ``EngineCore.step``
+(schedule, execute, process aborts, ``update_from_output``) or, with ``async_scheduling``,
+``EngineCore.step_with_batch_queue`` over vLLM's ``AsyncScheduler``: step N+1 is scheduled
+and executed before the output of step N is processed (a batch queue of two, as the ``uni``
+executor's ``max_concurrent_batches`` is under async scheduling; its ``execute_model`` runs
+the worker at once, so the worker sees steps in schedule order).
 
 An exception that escapes a scheduler or connector call ends the engine, as in vLLM, and is
 recorded as a ``Failure``; so is an encoder-cache miss (vLLM: ``RuntimeError: Encoder cache
-miss``) and a tensor in the encoder cache that is not the truth for its id.
+miss``) and a tensor in the encoder cache that is not the truth for its id and rows.
+Observers run after every scheduler and connector call (``add_request``, aborts, ``schedule``,
+the worker's step, ``update_from_output``), and everything that decides what happens next
+is appended to ``trace``, so two runs of one seed can be compared event by event.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-
-from ec_redis.demo.tiny_model import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS
 from tests.connector.simulated_worker import (
     DriverStats,
     EngineDied,
@@ -36,14 +42,21 @@ if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
 TEXT_TOKEN_ID = 10
+BATCH_QUEUE_SIZE = 2  # the uni executor's max_concurrent_batches under async scheduling
 
 
 @dataclass(frozen=True)
 class EngineShape:
-    """Limits small enough that chunked prefill splits images and KV blocks run out."""
+    """Limits small enough that chunked prefill splits images and KV blocks run out.
+
+    ``encoder_cache_tokens`` / ``encoder_compute_tokens`` override what vLLM derives from
+    ``max_num_batched_tokens`` (``SchedulerConfig.encoder_cache_size`` and
+    ``max_num_encoder_input_tokens``): items far larger than the tiny model's own 16-token
+    images need room in the encoder cache without a step of that many tokens."""
 
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 48
@@ -51,6 +64,21 @@ class EngineShape:
     num_kv_blocks: int = 12
     max_model_len: int = 256
     max_images_per_prompt: int = 3
+    encoder_cache_tokens: int | None = None
+    encoder_compute_tokens: int | None = None
+    # vLLM admits a request only if its whole prompt fits the KV cache (True, its default),
+    # or once its first chunk does (``--no-scheduler-reserve-full-isl``): then prefills
+    # preempt each other.
+    reserve_full_isl: bool = True
+
+
+class Item(NamedTuple):
+    """One multimodal item of a prompt: its id, its rows (= placeholder tokens) and whether
+    the request carries its media (a proxy's metadata-only rewrite has none)."""
+
+    identifier: str
+    rows: int
+    media: bool = True
 
 
 def build_vllm_config(
@@ -77,14 +105,41 @@ def build_vllm_config(
         block_size=shape.block_size,
         enable_prefix_caching=False,
         limit_mm_per_prompt={"image": shape.max_images_per_prompt},
+        scheduler_reserve_full_isl=shape.reserve_full_isl,
         ec_transfer_config=ec_config,
     )
-    return args.create_engine_config()
+    # The tiny model has 512 positions; the scheduler never runs it, so longer prompts (items
+    # of many rows) are fine here.
+    with _env("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1"):
+        config = args.create_engine_config()
+    if shape.encoder_cache_tokens is not None:
+        config.scheduler_config.encoder_cache_size = shape.encoder_cache_tokens
+    if shape.encoder_compute_tokens is not None:
+        config.scheduler_config.max_num_encoder_input_tokens = shape.encoder_compute_tokens
+    return config
 
 
-def build_scheduler(vllm_config: VllmConfig, shape: EngineShape) -> Scheduler:
-    """vLLM's Scheduler over one full-attention KV group of ``shape.num_kv_blocks`` blocks
-    (as vLLM's ``tests/v1/core/utils.py: create_scheduler`` builds it)."""
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def build_scheduler(
+    vllm_config: VllmConfig, shape: EngineShape, *, async_scheduling: bool = False
+) -> Scheduler:
+    """vLLM's Scheduler (``AsyncScheduler`` with ``async_scheduling``) over one
+    full-attention KV group of ``shape.num_kv_blocks`` blocks (as vLLM's
+    ``tests/v1/core/utils.py: create_scheduler`` builds it)."""
+    import torch
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -98,7 +153,8 @@ def build_scheduler(vllm_config: VllmConfig, shape: EngineShape) -> Scheduler:
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     vllm_config.cache_config.num_gpu_blocks = shape.num_kv_blocks
-    return Scheduler(
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -108,10 +164,14 @@ def build_scheduler(vllm_config: VllmConfig, shape: EngineShape) -> Scheduler:
 
 
 def image_request(
-    request_id: str, images: Sequence[str], text_lengths: Sequence[int], max_tokens: int
+    request_id: str,
+    images: Sequence[str | Item],
+    text_lengths: Sequence[int],
+    max_tokens: int,
 ) -> Request:
-    """A prompt ``text, image, text, image, ..., text`` (``len(images) + 1`` text runs; each
-    image is ``NUM_IMAGE_TOKENS`` placeholder tokens), as a real ``vllm.v1.request.Request``."""
+    """A prompt ``text, image, text, image, ..., text`` (``len(images) + 1`` text runs), as a
+    real ``vllm.v1.request.Request``. An image given by id alone has the tiny model's
+    ``NUM_IMAGE_TOKENS`` rows and its media; an ``Item`` says both."""
     from vllm.multimodal.inputs import (
         MultiModalFeatureSpec,
         MultiModalKwargsItem,
@@ -120,19 +180,22 @@ def image_request(
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
+    from ec_redis.demo.tiny_model import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS
+
     assert len(text_lengths) == len(images) + 1
     tokens: list[int] = [TEXT_TOKEN_ID] * text_lengths[0]
     features: list[MultiModalFeatureSpec] = []
-    for identifier, text_after in zip(images, text_lengths[1:], strict=True):
+    for image, text_after in zip(images, text_lengths[1:], strict=True):
+        item = image if isinstance(image, Item) else Item(image, NUM_IMAGE_TOKENS)
         features.append(
             MultiModalFeatureSpec(
-                data=MultiModalKwargsItem.dummy(),
+                data=MultiModalKwargsItem.dummy() if item.media else None,
                 modality="image",
-                identifier=identifier,
-                mm_position=PlaceholderRange(offset=len(tokens), length=NUM_IMAGE_TOKENS),
+                identifier=item.identifier,
+                mm_position=PlaceholderRange(offset=len(tokens), length=item.rows),
             )
         )
-        tokens += [IMAGE_TOKEN_ID] * NUM_IMAGE_TOKENS + [TEXT_TOKEN_ID] * text_after
+        tokens += [IMAGE_TOKEN_ID] * item.rows + [TEXT_TOKEN_ID] * text_after
     return Request(
         request_id=request_id,
         prompt_token_ids=tokens,
@@ -142,51 +205,112 @@ def image_request(
     )
 
 
+class Producer:
+    """An encoder instance's worker half (``ec_producer``) alive for a whole run: publishes
+    ``truth`` for items as its ``save_caches`` would, and waits for the Redis writes.
+
+    Give it a configuration whose cache settings differ from the consumer's (e.g. its own
+    ``producer_id``): one process shares one ``TieredCache`` per configuration
+    (``ec_redis.connector.shared``), and a producer sharing the consumer's would hand it
+    every item through the local tiers, never through Redis."""
+
+    def __init__(self, producer_config: VllmConfig, width: int) -> None:
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+        from ec_redis.connector import ECRedisConnector
+
+        self.width = width
+        self.connector = ECRedisConnector(producer_config, ECConnectorRole.WORKER)
+        self.published = 0
+
+    def publish(self, items: Iterable[tuple[str, int]], timeout_s: float = 10.0) -> bool:
+        """Save each (id, rows) and wait for its Redis write (stored or failed) before the
+        next: the writer replaces a queued write of the same id with a newer one, so two
+        versions of one id saved back to back would reach Redis once or twice, as the
+        writer thread happens to run. True if every write was done within ``timeout_s``."""
+        done = True
+        for identifier, rows in items:
+            encoder_cache = {identifier: truth(identifier, rows, self.width)}
+            self.connector.save_caches(encoder_cache=encoder_cache, mm_hash=identifier)
+            self.published += 1
+            done = self.flush(timeout_s) and done
+        return done
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        return flush_writes(self.connector, timeout_s)
+
+    def redis_stats(self) -> dict[str, float]:
+        """The Redis tier's counters of the producer's cache (writes, OOM refusals, ...)."""
+        cache = getattr(self.connector, "_cache", None)
+        stats = cache.stats() if cache is not None else {}
+        return dict(stats.get("redis", {}))
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+def flush_writes(connector: Any, timeout_s: float = 10.0) -> bool:
+    """Wait for the Redis writes queued by ``connector``'s cache (its writer thread).
+
+    No public hook says "your writes are done"; the cache is the connector's ``_cache``."""
+    cache = getattr(connector, "_cache", None)
+    return cache is None or bool(cache.flush(timeout_s))
+
+
 def publish(producer_config: VllmConfig, items: Mapping[str, int], width: int) -> None:
     """Save ``truth`` for each item (id -> num_embeds) through a producer's worker half, wait
-    for the Redis writes (its cache's ``flush``; shutting down drains them too), shut it down."""
-    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-
-    from ec_redis.connector import ECRedisConnector
-
-    producer = ECRedisConnector(producer_config, ECConnectorRole.WORKER)
+    for the Redis writes, shut it down."""
+    producer = Producer(producer_config, width)
     try:
-        for identifier, num_embeds in items.items():
-            encoder_cache = {identifier: truth(identifier, num_embeds, width)}
-            producer.save_caches(encoder_cache=encoder_cache, mm_hash=identifier)
-        cache = getattr(producer, "_cache", None)
-        assert cache is None or cache.flush(10.0), "publishing to Redis took over 10 s"
+        assert producer.publish(items.items()), "publishing to Redis took over 10 s"
     finally:
-        producer.shutdown()
+        producer.close()
 
 
 class EngineDriver:
-    """The engine loop (``EngineCore.step``): schedule, execute, abort, update_from_output."""
+    """The engine loop (``EngineCore.step``, or ``step_with_batch_queue`` with
+    ``async_scheduling``): schedule, execute, abort, update_from_output."""
 
-    def __init__(self, vllm_config: VllmConfig, shape: EngineShape) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, shape: EngineShape, *, async_scheduling: bool = False
+    ) -> None:
         from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, has_ec_transfer
 
         assert not has_ec_transfer(), "another test left vLLM's worker EC connector behind"
         self.failures: list[Failure] = []
         self.stats = DriverStats()
+        self.trace: list[tuple[object, ...]] = []
         self.alive = True
-        self.scheduler = build_scheduler(vllm_config, shape)
+        self.async_scheduling = async_scheduling
+        self.scheduler = build_scheduler(vllm_config, shape, async_scheduling=async_scheduling)
         ensure_ec_transfer_initialized(vllm_config)  # the worker half, as gpu_worker does
         width = int(vllm_config.model_config.get_hidden_size())
-        self.worker = SimulatedWorker(width, self.failures, self.stats)
+        self.worker = SimulatedWorker(width, self.failures, self.stats, self.trace)
         self.observers: list[Callable[[str], None]] = []
+        self.finish_reasons: dict[str, str] = {}  # request id -> vLLM's finish reason
+        self._during: Callable[[str], None] | None = None
+        self._batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
 
     @property
     def connector(self) -> Any:
         """The scheduler half of the connector (built by vLLM's factory in the scheduler)."""
         return self.scheduler.get_ec_connector()
 
+    @property
+    def worker_connector(self) -> Any:
+        """The worker half (vLLM's per-process singleton)."""
+        from vllm.distributed.ec_transfer import get_ec_transfer
+
+        return get_ec_transfer()
+
     def add_request(self, request: Request) -> None:
         if not self.alive:
             return
+        self.trace.append(("add", request.request_id))
         try:
             with self._guard("Scheduler.add_request"):
                 self.scheduler.add_request(request)
+            self._notify(f"add_request {request.request_id}")
         except EngineDied:
             pass
 
@@ -200,43 +324,129 @@ class EngineDriver:
         except EngineDied:
             return 0
 
-    def step(self, abort_mid_step: Callable[[SchedulerOutput], Iterable[str]] | None = None) -> int:
+    def step(
+        self,
+        abort_mid_step: Callable[[SchedulerOutput], Iterable[str]] | None = None,
+        during: Callable[[str], None] | None = None,
+    ) -> int:
         """One engine step; returns the tokens scheduled. ``abort_mid_step`` picks requests to
-        abort while the step executes (``EngineCore._process_aborts_queue``)."""
+        abort while the step executes (``EngineCore._process_aborts_queue``); ``during`` is
+        called after ``schedule`` and after the worker's step, before the output is
+        processed: what background threads (lookups) may do while a step is in flight."""
         if not self.alive:
             return 0
         self.stats.steps += 1
         self.worker.step = self.stats.steps
+        self._during = during
         try:
-            with self._guard("Scheduler.schedule"):
-                scheduler_output = self.scheduler.schedule()
-            self.stats.preemptions += len(scheduler_output.preempted_req_ids or ())
-            self._notify("schedule")
-            with self._guard("worker.execute_model"):
-                model_output = self.worker.execute_model(scheduler_output)
-            if abort_mid_step is not None:
-                self._abort(abort_mid_step(scheduler_output), "mid-step")
-            with self._guard("Scheduler.update_from_output"):
-                before = len(self.scheduler.requests)
-                self.scheduler.update_from_output(scheduler_output, model_output)
-            self.stats.finished += max(before - len(self.scheduler.requests), 0)
-            self._notify("update_from_output")
+            if self.async_scheduling:
+                scheduled = self._step_with_batch_queue(abort_mid_step)
+            else:
+                scheduler_output = self._schedule()
+                model_output = self._execute(scheduler_output)
+                self._update(scheduler_output, model_output, abort_mid_step)
+                scheduled = int(scheduler_output.total_num_scheduled_tokens)
         except EngineDied:
             return 0
-        scheduled = int(scheduler_output.total_num_scheduled_tokens)
+        finally:
+            self._during = None
         self.stats.empty_steps += int(scheduled == 0)
         return scheduled
+
+    def _step_with_batch_queue(
+        self, abort_mid_step: Callable[[SchedulerOutput], Iterable[str]] | None
+    ) -> int:
+        """``EngineCore.step_with_batch_queue``: fill the queue first; process the oldest
+        output only when the queue is full or nothing more can be scheduled."""
+        scheduled = 0
+        if self.scheduler.has_requests():
+            scheduler_output = self._schedule()
+            model_output = self._execute(scheduler_output)
+            scheduled = int(scheduler_output.total_num_scheduled_tokens)
+            self._batch_queue.appendleft((scheduler_output, model_output))
+            if len(self._batch_queue) < BATCH_QUEUE_SIZE and (
+                scheduled > 0 or self.scheduler.has_requests()
+            ):
+                return scheduled
+        elif not self._batch_queue:
+            return 0
+        oldest, model_output = self._batch_queue.pop()
+        self._update(oldest, model_output, abort_mid_step)
+        return scheduled
+
+    def _schedule(self) -> SchedulerOutput:
+        with self._guard("Scheduler.schedule"):
+            scheduler_output = self.scheduler.schedule()
+        preempted = sorted(scheduler_output.preempted_req_ids or ())
+        self.stats.preemptions += len(preempted)
+        self.trace.append(
+            (
+                "schedule",
+                self.stats.steps,
+                tuple(sorted(scheduler_output.num_scheduled_tokens.items())),
+                tuple(
+                    (req_id, tuple(ids))
+                    for req_id, ids in sorted(scheduler_output.scheduled_encoder_inputs.items())
+                ),
+                tuple(preempted),
+                tuple(sorted(scheduler_output.finished_req_ids)),
+            )
+        )
+        self._notify("schedule")
+        self._meanwhile("after schedule")
+        return scheduler_output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with self._guard("worker.execute_model"):
+            model_output = self.worker.execute_model(scheduler_output)
+        self._notify("worker.execute_model")
+        self._meanwhile("after the worker's step")
+        return model_output
+
+    def _update(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_output: ModelRunnerOutput,
+        abort_mid_step: Callable[[SchedulerOutput], Iterable[str]] | None,
+    ) -> None:
+        if abort_mid_step is not None:
+            self._abort(abort_mid_step(scheduler_output), "mid-step")
+        with self._guard("Scheduler.update_from_output"):
+            outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        finished: list[tuple[str, str]] = []
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                if output.finish_reason is not None:
+                    reason = str(getattr(output.finish_reason, "name", output.finish_reason))
+                    finished.append((output.request_id, reason))
+        for request_id, reason in finished:
+            self.finish_reasons[request_id] = reason
+            self.stats.finished += 1
+            self.stats.errored += int(reason == "ERROR")
+        self.trace.append(("update", self.stats.steps, tuple(sorted(finished))))
+        self._notify("update_from_output")
 
     def _abort(self, request_ids: Iterable[str], where: str) -> int:
         from vllm.v1.request import RequestStatus
 
+        wanted = sorted(request_ids)
         with self._guard(f"Scheduler.finish_requests ({where})"):
-            aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+            aborted = self.scheduler.finish_requests(wanted, RequestStatus.FINISHED_ABORTED)
+        ids = sorted(r.request_id for r in aborted)
+        for request_id in ids:
+            self.finish_reasons[request_id] = "ABORT"
         self.stats.aborts += len(aborted)
+        self.trace.append(("abort", where, tuple(ids)))
+        self._notify(f"finish_requests ({where}) {ids}")
         return len(aborted)
 
     def has_requests(self) -> bool:
-        return bool(self.scheduler.has_requests())
+        """Whether the engine loop would step (vLLM: requests, or a batch in flight)."""
+        return bool(self.scheduler.has_requests()) or bool(self._batch_queue)
+
+    def features(self, request_id: str) -> list[MultiModalFeatureSpec]:
+        request = self.scheduler.requests.get(request_id)
+        return list(request.mm_features) if request is not None else []
 
     def close(self) -> None:
         """Shut both halves down (vLLM: ``Scheduler.shutdown``, ``ensure_ec_transfer_shutdown``)."""
@@ -250,6 +460,10 @@ class EngineDriver:
     def _notify(self, phase: str) -> None:
         for observer in self.observers:
             observer(phase)
+
+    def _meanwhile(self, phase: str) -> None:
+        if self._during is not None:
+            self._during(phase)
 
     @contextmanager
     def _guard(self, where: str) -> Iterator[None]:
