@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from ec_redis.config import ConnectorOptions
 from ec_redis.embedded import EmbeddedRedis
 from tests.conftest import embedding, wait_for
+from tests.connector import test_scheduler_states as states
 from tests.connector.conftest import request
 from tests.connector.test_scheduler_states import WIDTH, GatedCache, settle
 
@@ -34,20 +34,8 @@ class Clock:
 def make_side(
     role: str = "ec_consumer", transport: Any = None, **options: Any
 ) -> tuple[Any, GatedCache, Clock]:
-    from ec_redis.connector.checks import TensorCheck
-    from ec_redis.connector.scheduler import SchedulerSide
-
-    cache, clock = GatedCache(), Clock()
-    defaults: dict[str, Any] = {"consumer_wait_s": 0.0, "recheck_s": 0.001, "lookup_wait_s": 0}
-    side = SchedulerSide(
-        cache,  # type: ignore[arg-type]
-        ConnectorOptions(**{**defaults, **options}),
-        TensorCheck(torch.bfloat16, lambda modality: WIDTH, WIDTH),
-        is_producer=role in ("ec_producer", "ec_both"),
-        is_consumer=role in ("ec_consumer", "ec_both"),
-        transport=transport,
-        clock=clock,
-    )
+    clock = Clock()
+    side, cache = states.make_side(role, transport, clock, **options)
     return side, cache, clock
 
 

@@ -57,7 +57,9 @@ class GatedCache:
         }
 
 
-def make_side(role: str = "ec_consumer", **options: Any) -> tuple[Any, GatedCache]:
+def make_side(
+    role: str = "ec_consumer", transport: Any = None, clock: Any = None, **options: Any
+) -> tuple[Any, GatedCache]:
     from ec_redis.connector.checks import TensorCheck
     from ec_redis.connector.scheduler import SchedulerSide
 
@@ -69,6 +71,8 @@ def make_side(role: str = "ec_consumer", **options: Any) -> tuple[Any, GatedCach
         TensorCheck(torch.bfloat16, lambda modality: WIDTH, WIDTH),
         is_producer=role in ("ec_producer", "ec_both"),
         is_consumer=role in ("ec_consumer", "ec_both"),
+        transport=transport,
+        **({} if clock is None else {"clock": clock}),
     )
     return side, cache
 

@@ -227,9 +227,7 @@ class RequestGate:
             else:  # REFUSED: wrong dtype or width
                 blocked[item] = "refused"
         if look:
-            look = _one_per_key(look)
-            _, refused = self._stager.fetch(look, request_id)
-            record.wanted.update(key for key, _, _ in look if key not in refused)
+            refused = self._start(look, request_id, record)
             for item in {identifier_of[key] for key in refused}:  # staging is full now
                 if self._must_deliver(request, item) and now < wait_deadline:
                     next_look = min(next_look, now + self._options.recheck_s)
@@ -302,8 +300,8 @@ class RequestGate:
                 verdicts[item] = found
             elif entry.state == ABSENT:
                 absent.add(item)
-        if look and self._start(look, request_id, record):
-            in_flight = True
+        if look and {key for key, _, _ in look} - set(self._start(look, request_id, record)):
+            in_flight = True  # something is on its way (started or joined)
         if checking and in_flight:
             return False, deadline
         self.verdicts[request_id] = verdicts
@@ -312,11 +310,13 @@ class RequestGate:
 
     def _start(
         self, look: list[tuple[str, str, int]], request_id: str, record: RequestRecord
-    ) -> bool:
+    ) -> list[str]:
+        """Look up ``look`` (one look per cache id) for the request; the cache ids refused
+        for lack of room."""
         look = _one_per_key(look)
         _, refused = self._stager.fetch(look, request_id)
         record.wanted.update(key for key, _, _ in look if key not in refused)
-        return len(refused) < len(look)  # something is on its way (started or joined)
+        return refused
 
     def fail(self, request_id: str, why: str) -> None:
         """Fail the request as retryable (vLLM takes it from ``take_unavailable``); ``why``

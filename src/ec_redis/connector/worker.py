@@ -131,17 +131,7 @@ class WorkerSide:
         started = time.perf_counter()
         stored = False
         for key in save_as or (mm_hash,):
-            try:
-                # The cache keeps a reference (and copies device tensors to host on a side
-                # stream ordered after the encoder), so vLLM freeing the entry is safe. It
-                # returns False on an internal failure (counted and logged there).
-                put = self._cache.put(key, tensor)
-            except Exception as exc:  # a failed save costs sharing, never the step
-                self._log.warning("save", "ec_redis: cannot save %r: %r", mm_hash, exc)
-                put = False
-            if put and self._save_wait_s > 0:
-                self._step_saves.append(key)
-            stored |= put
+            stored |= self._put(key, tensor)
         self._published.add(mm_hash)  # tried once: a failure is not retried every step
         if not stored:
             self.counters.inc("save_errors")
@@ -165,15 +155,22 @@ class WorkerSide:
             tensor = encoder_cache.get(item)
             if tensor is None or tensor.dim() != 2 or tensor.shape[0] != rows:
                 continue  # not (or no longer) the item the request names
-            try:
-                stored = self._cache.put(key, tensor)
-            except Exception as exc:  # a failed save costs sharing, never the step
-                self._log.warning("save", "ec_redis: cannot republish %r: %r", item, exc)
-                stored = False
-            if stored:
+            if self._put(key, tensor):
                 self.counters.inc("republished_items")
-                if self._save_wait_s > 0:
-                    self._step_saves.append(key)
+
+    def _put(self, key: str, tensor: torch.Tensor) -> bool:
+        """Hand one entry to the cache; a pure producer's step then awaits its write."""
+        try:
+            # The cache keeps a reference (and copies device tensors to host on a side
+            # stream ordered after the encoder), so vLLM freeing the entry is safe. It
+            # returns False on an internal failure (counted and logged there).
+            stored = self._cache.put(key, tensor)
+        except Exception as exc:  # a failed save costs sharing, never the step
+            self._log.warning("save", "ec_redis: cannot save %r: %r", key, exc)
+            return False
+        if stored and self._save_wait_s > 0:
+            self._step_saves.append(key)
+        return stored
 
     def worker_meta(self, meta: Any) -> ECRedisWorkerMetadata:
         """Queued writes, and the step whose metadata this rank just ran (its loads are done,
