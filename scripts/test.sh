@@ -17,6 +17,13 @@ if ! command -v docker-compose >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends docker-compose
 fi
+# compose.yaml runs under a real Docker engine (tests/test_compose_engine.py): Debian's
+# docker.io (dockerd; scripts/compose_local.sh starts it when none answers) and debootstrap
+# for the images it builds without a registry. Only as root, where an engine can run.
+if [ "$(id -u)" -eq 0 ] && ! { command -v dockerd && command -v debootstrap; } >/dev/null 2>&1; then
+  echo "test.sh: installing docker.io and debootstrap" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io debootstrap
+fi
 # The Grafana dashboard's queries are evaluated on a real Prometheus (Debian's package, run
 # directly by the test with its own config and storage; the package's service never starts
 # where policy-rc.d forbids it, and the test does not need it).
@@ -51,10 +58,11 @@ rm -rf .venv/redis-py-floor
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
 .venv/bin/mypy
-# EC_REDIS_REQUIRE_*: a missing redis-server, valkey-server, vLLM, docker-compose or prometheus
-# fails the run instead of skipping tests.
+# EC_REDIS_REQUIRE_*: a missing redis-server, valkey-server, vLLM, docker-compose, prometheus
+# or (as root) Docker engine fails the run instead of skipping tests.
 export EC_REDIS_REQUIRE_REDIS=1 EC_REDIS_REQUIRE_VALKEY=1 EC_REDIS_REQUIRE_VLLM=1 \
   EC_REDIS_REQUIRE_COMPOSE=1 EC_REDIS_REQUIRE_PROMETHEUS=1
+if [ "$(id -u)" -eq 0 ]; then export EC_REDIS_REQUIRE_DOCKER=1; fi
 .venv/bin/python -m pytest -p no:cacheprovider "$@"
 
 # Second run (the full suite only, i.e. without arguments): the Redis-facing tests again, on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import pytest
@@ -15,8 +16,16 @@ from ec_redis.codec import read_header
 from ec_redis.embedded import EmbeddedRedis, Flavor, free_port
 from ec_redis.tiers.layout import chunk_keys
 from tests.conftest import embedding
+from tests.doc_commands import doc_command, pointed_at
 
 pytestmark = pytest.mark.redis
+
+
+def documented(command: str, redis_url: str) -> list[str]:
+    """A doc command's ``ec-redis`` arguments, pointed at ``redis_url``."""
+    program, *argv = shlex.split(pointed_at(command, redis_url))
+    assert program == "ec-redis", command
+    return argv
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
@@ -59,7 +68,11 @@ def current_chunks(client: redis.Redis, head: str) -> list[str]:
 def test_doctor_reports_warnings_but_passes_on_a_default_server(
     capsys: pytest.CaptureFixture[str], redis_url: str
 ) -> None:
-    code, findings, _ = cli(capsys, "doctor", "--redis-url", redis_url, "--json")
+    argv = documented(doc_command("ec-redis doctor"), redis_url)  # as docs/operating.md shows
+    code, text, _ = cli(capsys, *argv)
+    assert code == EXIT_OK
+    assert "warn  maxmemory" in text and "fix: set maxmemory" in text
+    code, findings, _ = cli(capsys, *argv, "--json")
     assert code == EXIT_OK
     levels = {f["check"]: f["level"] for f in findings}
     assert levels["connect"] == "ok" and levels["probe"] == "ok" and levels["version"] == "ok"
@@ -105,7 +118,10 @@ def test_doctor_fails_with_a_fix_when_redis_is_unreachable_or_refuses(
 def test_stats_ls_and_inspect_describe_entries_without_loading_them(
     capsys: pytest.CaptureFixture[str], redis_url: str, filled: dict[str, torch.Tensor]
 ) -> None:
-    code, stats, _ = cli(capsys, "stats", "--redis-url", redis_url, "--json")
+    argv = documented(doc_command("ec-redis stats"), redis_url)  # as docs/operating.md shows
+    code, text, _ = cli(capsys, *argv)
+    assert code == EXIT_OK and "demo/model" in text
+    code, stats, _ = cli(capsys, *argv, "--json")
     assert code == EXIT_OK
     (group,) = stats["groups"]
     assert group["entries"] == 4 and group["model"] == "demo/model"

@@ -2,9 +2,9 @@
 cluster or a Sentinel group that is down when the cache starts costs nothing once it is up.
 
 Real processes on loopback, every test on redis-server and valkey-server. Local tiers are off,
-so every read goes to Redis. The servers run with ``cluster-require-full-coverage no``, as the
-README says to run a cluster. No exception may escape a cache, and every tensor read must be
-bit-exact.
+so every read goes to Redis. The servers run with ``cluster-require-full-coverage no``, as
+docs/operating.md says to run a cluster. No exception may escape a cache, and every tensor
+read must be bit-exact.
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ def test_a_user_limited_to_the_cache_prefix_works_end_to_end(acl_server: Embedde
 def test_the_cache_users_rights_cover_announcing_and_hearing_stored_entries(
     acl_server: EmbeddedRedis,
 ) -> None:
-    """The README's ACL rules include the namespace's pub/sub channels: a writer's
+    """The ACL rules in docs/operating.md include the namespace's pub/sub channels: a writer's
     announcement reaches a subscribed reader (push, not poll)."""
     url = user_url(acl_server, "cache", "cache-pw")
     heard: list[str] = []

@@ -48,7 +48,7 @@ def caches() -> Iterator[Caches]:
 
 @pytest.fixture(scope="module")
 def cluster_setup(server_flavor: Flavor) -> Iterator[EmbeddedCluster]:
-    # as the README says to run a cluster: healthy masters keep serving while one fails over
+    # as docs/operating.md says to run a cluster: healthy masters keep serving while one fails over
     with EmbeddedCluster.start(
         masters=3, replicas_per_master=1, flavor=server_flavor, extra_args=FULL_COVERAGE_NO
     ) as cluster:

@@ -200,7 +200,7 @@ def test_an_encoder_publishes_each_salt_of_an_image_it_already_holds(
         return any(k.endswith("." + escaped + "}") for k in keys)
 
     assert stored("tenant-a"), keys
-    # PD, as the README recommends for metadata-only requests: on_missing fail
+    # PD, as docs/configuration.md recommends for metadata-only requests: on_missing fail
     pd = build_vllm_config(tiny_model, "ec_consumer", {**extra, "on_missing": "fail"}, SHAPE)
     _, _, counters = run(pd, [salted("pd-b", "img", "tenant-b")])
     assert counters["unavailable_requests"] == 0, f"PD failed tenant-b's request: {counters}"
@@ -244,7 +244,7 @@ def test_an_encoder_republishes_an_evicted_item_it_still_holds(
 
 
 def test_an_overflow_is_sticky_and_fails_at_once_under_on_missing_fail(tmp_path: Path) -> None:
-    """README: "staging is full -> ... with on_missing: fail looked for again until
+    """docs/operating.md: "staging is full -> ... with on_missing: fail looked for again until
     consumer_wait_s ends". That holds for a refusal before the fetch (no entry is made), not
     after it: an item whose real size exceeds what is left (``stage_overflow``, e.g. every item
     of a DeepStack model on a pure consumer, whose reservation assumes the hidden size) becomes

@@ -77,7 +77,7 @@ def test_cache_salt_separates_entries_across_instances_and_restarts(
             private_redis.call("SAVE")
             private_redis.restart()  # the same data directory: entries survive
         # One consumer instance per request: vLLM's own encoder cache, inside one instance,
-        # is shared across salts (the README says so).
+        # is shared across salts (docs/operating.md says so).
         cases = {"tenant-b": (0, 1), None: (0, 1), "forged": (0, 1), "tenant-a": (1, 0)}
         for salt, want in cases.items():
             image, request_salt = (forged, None) if salt == "forged" else ("img-t", salt)

@@ -7,6 +7,7 @@ service) with its own config and a temporary TSDB, and its HTTP query API.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -23,23 +24,36 @@ PROMETHEUS = shutil.which("prometheus")
 REQUIRED = os.environ.get("EC_REDIS_REQUIRE_PROMETHEUS") == "1"
 INSTALL_HINT = "apt-get install prometheus; scripts/test.sh does"
 DEPLOY_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
+DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "ec_redis.json"
+
+
+# What deploy/prometheus/prometheus.yml's relabelling makes of each compose service.
+SERVICES = {
+    "encoder": ("encoder", "epd"),
+    "pd": ("pd", "epd"),
+    "vllm": ("single", "single"),
+    "cluster-encoder": ("encoder", "cluster"),
+    "cluster-pd": ("pd", "cluster"),
+}
 
 
 def scrape_config(targets: dict[str, str], profile: str, scrape_interval_s: int) -> dict[str, Any]:
-    """deploy/prometheus/prometheus.yml with ``profile``'s targets replaced by the given
-    role -> ``host:port`` (their labels kept, so the dashboard's ``role`` variable is what it
-    is in the deployment) and a faster scrape interval."""
+    """deploy/prometheus/prometheus.yml with ``profile``'s role -> ``host:port`` as static
+    targets instead of Docker's DNS: each carries the ``__meta_dns_name`` the DNS discovery
+    would give it, so the deployment's own relabelling makes its labels (the dashboard's
+    ``role`` included), and a faster scrape interval."""
     config: dict[str, Any] = yaml.safe_load(DEPLOY_CONFIG.read_text())
     config["global"]["scrape_interval"] = f"{scrape_interval_s}s"
     config["global"]["evaluation_interval"] = f"{scrape_interval_s}s"
     (job,) = config["scrape_configs"]
-    kept = []
-    for static in job["static_configs"]:
-        labels = static["labels"]
-        if labels.get("profile") == profile and labels["role"] in targets:
-            kept.append({"targets": [targets[labels["role"]]], "labels": labels})
-    assert {s["labels"]["role"] for s in kept} == set(targets), "roles missing from deploy/"
-    job["static_configs"] = kept
+    (dns,) = job.pop("dns_sd_configs")
+    assert set(dns["names"]) == set(SERVICES), "deploy/ scrapes other services"
+    static = []
+    for service, (role, in_profile) in SERVICES.items():
+        if in_profile == profile and role in targets:
+            static.append({"targets": [targets[role]], "labels": {"__meta_dns_name": service}})
+    assert len(static) == len(targets), "roles missing from deploy/"
+    job["static_configs"] = static
     return config
 
 
@@ -117,3 +131,25 @@ def values(result: list[dict[str, Any]]) -> list[float]:
 
 def finite(result: list[dict[str, Any]]) -> list[float]:
     return [v for v in values(result) if math.isfinite(v)]
+
+
+def dashboard_targets() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """``(panel title, panel, target)`` for every query of the Grafana dashboard."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [
+        (panel["title"], panel, target)
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
+
+
+def grafana_expr(expr: str, range_s: int, scrape_s: int) -> str:
+    """The expression as Grafana sends it with every template variable on "All" (allValue
+    ".*"), a ``range_s`` time range and a step of one scrape: ``$__rate_interval`` is then 4
+    scrape intervals (Grafana's floor for it)."""
+    return (
+        expr.replace("$__rate_interval", f"{4 * scrape_s}s")
+        .replace("$__range", f"{range_s}s")
+        .replace("$role", ".*")
+        .replace("$instance", ".*")
+    )

@@ -35,7 +35,6 @@ from ec_redis.embedded import EmbeddedRedis, free_port
 from tests.conftest import emptied
 from tests.e2e.harness import (
     DEFAULT_LAYOUT_ENV,
-    REPO_ROOT,
     ApiServer,
     CommandServer,
     requires_vllm,
@@ -43,7 +42,15 @@ from tests.e2e.harness import (
     wait_healthy,
 )
 from tests.e2e.load import Load, Metrics, run_benchmark
-from tests.e2e.prometheus import INSTALL_HINT, PROMETHEUS, REQUIRED, Prometheus, finite
+from tests.e2e.prometheus import (
+    INSTALL_HINT,
+    PROMETHEUS,
+    REQUIRED,
+    Prometheus,
+    dashboard_targets,
+    finite,
+    grafana_expr,
+)
 from tests.e2e.prometheus import scrape_config as prometheus_config
 
 # Servers, a 40-request load and Prometheus: minutes, not the default 300 s per test.
@@ -57,7 +64,6 @@ IMAGES = 2  # per request; the servers allow two (the harness's default is one)
 LOAD = Load(num_prompts=40, images=IMAGES, concurrency=8, seed=1000)
 ROWS, WIDTH, BF16_BYTES = 16, 128, 2  # one tiny-LLaVA image embedding
 ITEM_BYTES = ROWS * WIDTH * BF16_BYTES
-DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "ec_redis.json"
 METRICS_SETTLE_S = 30  # generous bound on a counter reaching /metrics after the response
 
 
@@ -240,28 +246,6 @@ requires_prometheus = pytest.mark.skipif(
 SCRAPE_S = 1
 
 
-def dashboard_targets() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """``(panel title, panel, target)`` for every query of the dashboard."""
-    dashboard = json.loads(DASHBOARD.read_text())
-    return [
-        (panel["title"], panel, target)
-        for panel in dashboard["panels"]
-        for target in panel.get("targets", [])
-    ]
-
-
-def grafana_expr(expr: str, range_s: int) -> str:
-    """The expression as Grafana sends it with every template variable on "All" (allValue
-    ".*"), a 1 s step and a ``range_s`` time range: ``$__rate_interval`` is then 4 scrape
-    intervals (Grafana's floor for it)."""
-    return (
-        expr.replace("$__rate_interval", f"{4 * SCRAPE_S}s")
-        .replace("$__range", f"{range_s}s")
-        .replace("$role", ".*")
-        .replace("$instance", ".*")
-    )
-
-
 @requires_prometheus
 def test_every_dashboard_query_returns_data_on_a_real_prometheus(epd: Epd, tmp_path: Path) -> None:
     """Prometheus scrapes both servers every second while images go through the proxy (Redis
@@ -297,7 +281,7 @@ def test_every_dashboard_query_returns_data_on_a_real_prometheus(epd: Epd, tmp_p
 
         empty = []
         for title, panel, target in dashboard_targets():
-            expr = grafana_expr(target["expr"], range_s)
+            expr = grafana_expr(target["expr"], range_s, SCRAPE_S)
             if target.get("instant"):
                 result = prometheus.query(expr, end)
             else:
