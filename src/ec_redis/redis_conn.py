@@ -140,6 +140,8 @@ def make_client(config: CacheConfig) -> Any:
             **common,
         )
     unix = config.redis_url.startswith("unix://")
+    if unix:  # a Unix socket has no TCP keepalive (redis-py's Unix connection refuses it)
+        common = {k: v for k, v in common.items() if k != "socket_keepalive"}
     connection_class = (
         ZeroCopyUnixConnection
         if unix
