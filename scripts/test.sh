@@ -63,7 +63,7 @@ rm -rf .venv/redis-py-floor
 export EC_REDIS_REQUIRE_REDIS=1 EC_REDIS_REQUIRE_VALKEY=1 EC_REDIS_REQUIRE_VLLM=1 \
   EC_REDIS_REQUIRE_COMPOSE=1 EC_REDIS_REQUIRE_PROMETHEUS=1
 if [ "$(id -u)" -eq 0 ]; then export EC_REDIS_REQUIRE_DOCKER=1; fi
-.venv/bin/python -m pytest -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -p no:cacheprovider --durations=30 "$@"
 
 # Second run (the full suite only, i.e. without arguments): the Redis-facing tests again, on
 # the lowest redis-py allowed (on redis-server; the vLLM engine and load tests are left out).

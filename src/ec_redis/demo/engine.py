@@ -9,6 +9,8 @@ its own process: vLLM's worker-side EC connector is a process-wide singleton. Th
      "warmup": {"image_seed": 99, "question": "..."} | null,  # answered first, not reported
      "requests": [{"image_seed": 0, "uuid": null, "question": "..."}, ...],
      "max_tokens": 4,
+     "image_size": 56,  # make_image's size: the model's vision_tower.image_size
+     "llm_kwargs": {"max_model_len": 1024, ...},  # over DEFAULT_LLM_KWARGS
      "turns": "/path/of/a/folder" | null}
 
 With ``turns``, the engine starts, says ``WAITING_FOR_TURN`` and then answers the warm-up
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ec_redis.demo.tiny_model import RAW_PROMPT, make_image
+from ec_redis.demo.tiny_model import IMAGE_SIZE, RAW_PROMPT, make_image
 
 # One in-process engine; no torch.compile (22 s on the first logprobs request, same
 # results); never ask a model hub for anything (a bad model path fails instead).
@@ -76,7 +78,7 @@ def run(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
 
     from ec_redis.demo import probes
 
-    kwargs = dict(DEFAULT_LLM_KWARGS)
+    kwargs = {**DEFAULT_LLM_KWARGS, **spec.get("llm_kwargs", {})}
     if spec.get("ec_transfer_config") is not None:
         # LLM() turns a dict into a config object only for kv_transfer_config.
         kwargs["ec_transfer_config"] = ECTransferConfig(**spec["ec_transfer_config"])
@@ -93,14 +95,15 @@ def run(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     try:
         llm.apply_model(probes.count_encoder_passes)
         steps = [spec.get("warmup"), *spec["requests"]]
+        image_size = spec.get("image_size", IMAGE_SIZE)
         for step, req in enumerate(steps):
             if turns is not None:
                 _wait_for(turns / f"go-{step}", turns / "go-all")
             if step == 0:
                 if req is not None:
-                    llm.generate([_prompt(req)], sampling, use_tqdm=False)
+                    llm.generate([_prompt(req, image_size)], sampling, use_tqdm=False)
             else:
-                results.append(_answer(llm, _prompt(req), sampling))
+                results.append(_answer(llm, _prompt(req, image_size), sampling))
                 progress(f"request {step}/{len(steps) - 1} done")
             if turns is not None:
                 (turns / f"done-{step}").touch()
@@ -136,10 +139,10 @@ def _answer(llm: Any, prompt: dict[str, Any], sampling: Any) -> dict[str, Any]:
     }
 
 
-def _prompt(req: dict[str, Any]) -> dict[str, Any]:
+def _prompt(req: dict[str, Any], image_size: int) -> dict[str, Any]:
     prompt: dict[str, Any] = {
         "prompt": RAW_PROMPT.format(question=req["question"]),
-        "multi_modal_data": {"image": make_image(req["image_seed"])},
+        "multi_modal_data": {"image": make_image(req["image_seed"], image_size)},
     }
     if req.get("uuid"):
         prompt["multi_modal_uuids"] = {"image": req["uuid"]}  # vLLM's mm_hash, verbatim

@@ -1,6 +1,11 @@
 """``ec-redis demo``: three real vLLM engines on a tiny local model, an encoder and a
 prefill/decode instance sharing encoder outputs through Redis, checked against a baseline.
 
+The model is random-weight LLaVA-1.5 with a tiny LM but a vision tower of real cost
+(``tiny_model.DEMO_TOWER``: 576 image tokens per 336 px image, a few hundred ms per image on
+2 CPU cores), so PD, which loads each new image's embedding instead of running the tower,
+reaches its first token sooner than the baseline, which runs the tower itself.
+
 The engines — ``encoder`` (``ec_producer``), ``baseline`` (no connector) and ``pd``
 (``ec_consumer``) — start side by side, each in its own process (vLLM's worker-side EC
 connector is a process-wide singleton), then answer the same image requests one at a time,
@@ -22,7 +27,7 @@ from typing import Any
 
 from ec_redis.demo import launcher
 from ec_redis.demo.report import build_report, render
-from ec_redis.demo.tiny_model import build_tiny_llava
+from ec_redis.demo.tiny_model import DEMO_TOWER, DEMO_TOWER_COST, build_tiny_llava
 from ec_redis.redis_url import mask_url
 
 Say = Callable[[str], None]
@@ -44,6 +49,17 @@ REQUESTS = (
 )
 WARMUP = DemoRequest("warm-up", 99, "What is shown in this image?")
 MAX_TOKENS = 4
+VISION_TOWER = DEMO_TOWER
+# How the model was sized, in one line (said at the start and under the table).
+MODEL_SIZING = (
+    f"vision tower: {VISION_TOWER.describe()}, sized to cost {DEMO_TOWER_COST}, so the cache "
+    "has something to save (LM: 2-layer Llama, 128 wide)"
+)
+# Over engine.DEFAULT_LLM_KWARGS (sized for the tests' 16-token images): room for 576 image
+# tokens, the question and the answer; and, since vLLM sizes its own encoder cache by
+# max_num_batched_tokens, room there for three images, so that a repeat is still served from
+# it, as with the tests' model.
+LLM_KWARGS = {"max_model_len": 1024, "max_num_batched_tokens": 2048}
 
 
 def run(redis_url: str, run_dir: Path, say: Say) -> dict[str, Any]:
@@ -61,8 +77,9 @@ def run(redis_url: str, run_dir: Path, say: Say) -> dict[str, Any]:
     )
     say(f"  Redis: {mask_url(redis_url)} (namespace {namespace})")
     say(f"  files: {run_dir} (the model; each engine's vLLM log in <engine>/engine.log)")
-    say(f"{launcher.stamp(started)}building a tiny random-weight LLaVA model (no download) ...")
-    model = build_tiny_llava(run_dir / "model")
+    say(f"{launcher.stamp(started)}building a random-weight LLaVA-1.5 model (no download) ...")
+    say(f"  model: {MODEL_SIZING}")
+    model = build_tiny_llava(run_dir / "model", vision_tower=VISION_TOWER)
     size_mb = sum(f.stat().st_size for f in model.iterdir()) / 1e6
     say(f"{launcher.stamp(started)}model ready: {model} ({size_mb:.1f} MB)")
 
@@ -90,6 +107,7 @@ def run(redis_url: str, run_dir: Path, say: Say) -> dict[str, Any]:
         namespace=namespace,
         run_dir=str(run_dir),
         model=str(model),
+        model_sizing=MODEL_SIZING,
         wall_s=time.monotonic() - started,
     )
     say("")
@@ -105,6 +123,8 @@ def _spec(model: Path, ec_transfer_config: dict[str, Any] | None) -> dict[str, A
         "warmup": asdict(WARMUP),
         "requests": [asdict(r) for r in REQUESTS],
         "max_tokens": MAX_TOKENS,
+        "image_size": VISION_TOWER.image_size,
+        "llm_kwargs": LLM_KWARGS,
     }
 
 
