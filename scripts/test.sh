@@ -63,7 +63,20 @@ rm -rf .venv/redis-py-floor
 export EC_REDIS_REQUIRE_REDIS=1 EC_REDIS_REQUIRE_VALKEY=1 EC_REDIS_REQUIRE_VLLM=1 \
   EC_REDIS_REQUIRE_COMPOSE=1 EC_REDIS_REQUIRE_PROMETHEUS=1
 if [ "$(id -u)" -eq 0 ]; then export EC_REDIS_REQUIRE_DOCKER=1; fi
-.venv/bin/python -m pytest -p no:cacheprovider --durations=30 "$@"
+# The compose images (tests/test_compose_engine.py) take minutes to build, mostly downloads
+# and unpacking: build them in the background while the suite runs; the test's own call to
+# scripts/compose_local.sh waits for this one (the script holds a lock).
+compose_build=""
+if [ "${EC_REDIS_REQUIRE_DOCKER:-0}" = "1" ] && [ "$#" -eq 0 ]; then
+  mkdir -p .compose-local
+  echo "test.sh: building the compose images in the background (.compose-local/build.log)" >&2
+  bash scripts/compose_local.sh --build epd,monitoring > .compose-local/build.log 2>&1 &
+  compose_build=$!
+fi
+status=0
+.venv/bin/python -m pytest -p no:cacheprovider --durations=30 "$@" || status=$?
+if [ -n "$compose_build" ]; then wait "$compose_build" || true; fi
+[ "$status" -eq 0 ] || exit "$status"
 
 # Second run (the full suite only, i.e. without arguments): the Redis-facing tests again, on
 # the lowest redis-py allowed (on redis-server; the vLLM engine and load tests are left out).

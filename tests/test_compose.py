@@ -137,6 +137,7 @@ def test_env_files_define_every_variable_with_the_compose_defaults() -> None:
     assert not unused, f".env sets variables no compose file uses: {sorted(unused)}"
 
 
+@requires_compose
 def test_every_port_binds_to_loopback_and_nothing_opens_without_a_password() -> None:
     for kind in ENV_FILES:
         env = read_env_file(ENV_FILES[kind])
@@ -275,7 +276,8 @@ def test_prometheus_finds_the_running_servers_by_service_name() -> None:
     (job,) = config["scrape_configs"]
     assert "static_configs" not in job
     (dns,) = job["dns_sd_configs"]
-    assert set(dns["names"]) == set(VLLM_SERVICES) and dns["port"] == 8000
+    # fully qualified (a trailing dot): never completed with the host's search domains
+    assert dns["names"] == [f"{name}." for name in VLLM_SERVICES] and dns["port"] == 8000
     datasource = yaml.safe_load(
         (REPO_ROOT / "deploy/grafana/provisioning/datasources/prometheus.yaml").read_text()
     )["datasources"][0]
@@ -358,3 +360,67 @@ def test_docker_compose_default_profile_comes_from_the_env_variable() -> None:
     """COMPOSE_PROFILES in the shell wins over .env's (the documented way to switch)."""
     result = _resolve("nvidia", [], {"COMPOSE_PROFILES": "single,monitoring"})
     assert set(result["services"]) == {"redis", "vllm", "prometheus"}
+
+
+# -- the guards, run ---------------------------------------------------------------------------
+
+
+def _run_script(
+    script: str, tmp_path: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """A service's ``sh -c`` script as the container runs it (``config`` prints ``$$`` for
+    ``$``), with stub binaries first on PATH that print their arguments."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    for name in ("redis-server", "grafana-run"):
+        stub = stubs / name
+        stub.write_text('#!/bin/sh\necho "RAN $0 $*"\n')
+        stub.chmod(0o755)
+    text = script.replace("$$", "$").replace("exec /run.sh", f"exec {stubs / 'grafana-run'}")
+    return subprocess.run(
+        ["sh", "-c", text],
+        env={"PATH": f"{stubs}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+@requires_compose
+@pytest.mark.parametrize(
+    ("address", "password", "runs"),
+    [
+        ("127.0.0.1", "", True),
+        ("[::1]", "", True),
+        ("0.0.0.0", "", False),  # open to the network without a password
+        ("192.0.2.7", "", False),
+        ("0.0.0.0", "d41d8cd98f00b204e9800998ecf8427e", True),
+        ("127.0.0.1", "ab/cd+ef", False),  # would break the engines' Redis URL
+        ("127.0.0.1", 'q"uote', False),  # would break their JSON config
+        ("0.0.0.0", "a%41b", False),  # would be decoded to another password
+    ],
+)
+def test_redis_refuses_to_start_open_or_with_a_password_its_clients_cannot_send(
+    tmp_path: Path, address: str, password: str, runs: bool
+) -> None:
+    script = resolved("cpu")["services"]["redis"]["command"][0]
+    done = _run_script(script, tmp_path, {"PUBLISHED_ON": address, "REDIS_PASSWORD": password})
+    if runs:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("RAN ") and "--protected-mode no" in done.stdout
+        assert ("--requirepass " + password in done.stdout) == bool(password), done.stdout
+    else:
+        assert done.returncode == 78 and "RAN" not in done.stdout, (done.stdout, done.stderr)
+        assert "REDIS_PASSWORD" in done.stderr  # names the key to set
+
+
+@requires_compose
+@pytest.mark.parametrize(("password", "runs"), [("", False), ("s3cret-enough", True)])
+def test_grafana_refuses_to_start_without_a_password(
+    tmp_path: Path, password: str, runs: bool
+) -> None:
+    script = resolved("cpu")["services"]["grafana"]["command"][0]
+    done = _run_script(script, tmp_path, {"GF_SECURITY_ADMIN_PASSWORD": password})
+    assert (done.returncode == 0 and "RAN" in done.stdout) == runs, (done.stdout, done.stderr)
+    if not runs:
+        assert done.returncode == 78 and "GRAFANA_ADMIN_PASSWORD" in done.stderr

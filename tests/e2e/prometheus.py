@@ -47,11 +47,12 @@ def scrape_config(targets: dict[str, str], profile: str, scrape_interval_s: int)
     config["global"]["evaluation_interval"] = f"{scrape_interval_s}s"
     (job,) = config["scrape_configs"]
     (dns,) = job.pop("dns_sd_configs")
-    assert set(dns["names"]) == set(SERVICES), "deploy/ scrapes other services"
+    assert {n.rstrip(".") for n in dns["names"]} == set(SERVICES), "deploy/ scrapes others"
     static = []
     for service, (role, in_profile) in SERVICES.items():
         if in_profile == profile and role in targets:
-            static.append({"targets": [targets[role]], "labels": {"__meta_dns_name": service}})
+            labels = {"__meta_dns_name": f"{service}."}  # as the DNS discovery names it
+            static.append({"targets": [targets[role]], "labels": labels})
     assert len(static) == len(targets), "roles missing from deploy/"
     job["static_configs"] = static
     return config
