@@ -41,11 +41,12 @@ need_apt() {  # need_apt COMMAND PACKAGE
 
 # -- the engine and a Compose implementation -----------------------------------------------
 engine_up() {
-  docker info >/dev/null 2>&1 && return 0
-  if [ -S /var/run/docker.sock ]; then  # an engine is there, but not for us: never a second one
-    die "a Docker engine listens on /var/run/docker.sock but does not answer this user \
-($(docker info 2>&1 | tail -n 1)); run as root or join the docker group"
-  fi
+  local err
+  err="$(docker info 2>&1 >/dev/null)" && return 0
+  case "$err" in  # an engine is there, but not for this user: never start a second one
+    *"permission denied"*) die "a Docker engine runs but refuses this user; run as root or join \
+the docker group (${err##*$'\n'})" ;;
+  esac
   need_apt dockerd docker.io
   mkdir -p "$state/docker"
   log "no Docker engine answers: starting dockerd (data in $state/docker, log $state/docker/log)"

@@ -188,6 +188,8 @@ def test_vllm_services_use_only_the_ec_transfer_config(kind: str) -> None:
         assert {k: config[k] for k in EC_CONNECTOR} == EC_CONNECTOR
         urls[name] = config["ec_connector_extra_config"]["redis_url"]
         assert service["command"][service["command"].index("--model") + 1] == env["MODEL"]
+        # nothing leaves the machine: vLLM's usage statistics are off
+        assert service["environment"]["VLLM_NO_USAGE_STATS"] == "1"
         # ec_redis is configured through the JSON only, never through the environment.
         assert not any(k.upper().startswith("EC_REDIS") for k in service.get("environment", {}))
         assert "/health" in " ".join(service["healthcheck"]["test"])

@@ -371,7 +371,7 @@ def pd_url(dep: Deployment, profile: str) -> str:
     return dep.url("API_PORT" if profile == "single" else "PD_PORT")
 
 
-def ask(dep: Deployment, api: str, metrics_url: str, seed: int) -> dict[str, float]:
+def ask(dep: Deployment, api: str, metrics_url: str, seed: int) -> Moved:
     """One request through the API: its answer equals the baseline's; returns how PD's
     counters moved."""
     before = Metrics.scrape(metrics_url)
@@ -379,7 +379,19 @@ def ask(dep: Deployment, api: str, metrics_url: str, seed: int) -> dict[str, flo
     assert answer == dep.baseline[seed], f"image {seed}: {answer} != {dep.baseline[seed]}"
     after = Metrics.scrape(metrics_url)
     moved = after.minus(before)  # every series, zeros too: a missing one is a KeyError
-    return {k.removeprefix("vllm:ec_redis_"): v for k, v in moved.items()}
+    return Moved(seed, {k.removeprefix("vllm:ec_redis_"): v for k, v in moved.items()})
+
+
+class Moved(dict[str, float]):
+    """How PD's counters moved for one request; shown as the seed and what moved."""
+
+    def __init__(self, seed: int, values: dict[str, float]) -> None:
+        super().__init__(values)
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self.items() if v and not k.endswith(("_bucket", "_created"))}
+        return f"image {self.seed}: {shown}"
 
 
 def assert_targets_up(dep: Deployment, services: list[str], timeout_s: float = 90) -> None:
@@ -424,6 +436,16 @@ def assert_dashboard_has_data(dep: Deployment, start: float) -> None:
         assert body["status"] == "success", body
         if not finite(body["data"]["result"]):
             empty.append(f"{title} / {target['legendFormat']}: {expr}")
+    if empty:  # what Prometheus holds, to tell a missing scrape from a missing observation
+        raw = {}
+        for expr in ("up", "vllm:ec_redis_save_seconds_count", "vllm:ec_redis_load_seconds_count"):
+            params = {"query": f'{expr}{{job="vllm"}}', "start": start, "end": end, "step": 1}
+            got = requests.get(f"{base}/query_range", params=params, timeout=30).json()
+            raw[expr] = [
+                (s["metric"].get("service"), [(round(float(t) - start), v) for t, v in s["values"]])
+                for s in got["data"]["result"]
+            ]
+        empty.append(f"raw samples since the start: {raw}")
     assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
 
 
@@ -446,6 +468,7 @@ def until_redis_hit(
 # Seeds: two fresh images, one while Redis is down, then fresh ones until hits resume.
 FIRST, SECOND, WHILE_DOWN = 101, 102, 103
 AFTER_RESTART = list(range(104, 114))
+FINAL = 120  # a last fresh image: saved (and on PD loaded) right before the dashboard check
 
 
 @pytest.mark.timeout(1800)  # images built on the first, then ~4 min a profile on 2 cores
@@ -457,7 +480,7 @@ def test_profile_runs_under_docker_and_survives_the_drill(dep: Deployment, profi
         api = bring_up(dep, profile)
         metrics = pd_url(dep, profile)
         if not dep.baseline:
-            baseline_answers(dep, [FIRST, SECOND, WHILE_DOWN, *AFTER_RESTART])
+            baseline_answers(dep, [FIRST, SECOND, WHILE_DOWN, *AFTER_RESTART, FINAL])
         start = time.time() - 3 * SCRAPE_S
         for service in vllm_services:  # scraped before any traffic: all of it is an increase
             wait_scraped(dep, service, time.time())
@@ -490,8 +513,10 @@ def test_profile_runs_under_docker_and_survives_the_drill(dep: Deployment, profi
             after = [until_published(dep, api, metrics, AFTER_RESTART[:5])]
             after.append(until_published(dep, api, metrics, AFTER_RESTART[5:]))
         else:
-            # ...or loaded from Redis again (the encoder republishes what it holds, too).
-            after = [until_redis_hit(dep, api, metrics, AFTER_RESTART), FIRST]
+            # ...or loaded from Redis again. (Not FIRST: Redis lost it, and the encoder's
+            # republish of what its vLLM still holds races the request; see issue 15's note.)
+            after = [until_redis_hit(dep, api, metrics, AFTER_RESTART[:5])]
+            after.append(until_redis_hit(dep, api, metrics, AFTER_RESTART[5:]))
         # PD restarted: its CPU tier is empty, the next requests are still Redis hits (on
         # single: the two images written after the outage, neither encoded again).
         # One more step (a repeat, from vLLM's own encoder cache): the connector reports
@@ -510,6 +535,13 @@ def test_profile_runs_under_docker_and_survives_the_drill(dep: Deployment, profi
             assert moved["local_fallbacks_total"] == 0, moved
             assert moved["misses_total"] == 0, moved
 
+        # A last fresh image, then two scrapes of every server after it: each panel's rate
+        # window then holds an increase even where a scrape went missing under load earlier.
+        ask(dep, api, metrics, FINAL)
+        for _ in range(2):
+            now = time.time()
+            for service in vllm_services:
+                wait_scraped(dep, service, now)
         assert_targets_up(dep, vllm_services)
         assert_dashboard_has_data(dep, start)
     except BaseException:
