@@ -51,8 +51,9 @@ the docker group (${err##*$'\n'})" ;;
   mkdir -p "$state/docker"
   log "no Docker engine answers: starting dockerd (data in $state/docker, log $state/docker/log)"
   # setsid: the engine outlives this script (the cluster keeps running); --down stops it.
+  # 9>&-: not holding this script's lock (fd 9) for as long as the engine runs.
   $SUDO setsid dockerd --data-root "$state/docker/root" --exec-root "$state/docker/exec" \
-    --pidfile "$state/docker/pid" >"$state/docker/log" 2>&1 < /dev/null &
+    --pidfile "$state/docker/pid" >"$state/docker/log" 2>&1 < /dev/null 9>&- &
   for _ in $(seq 90); do docker info >/dev/null 2>&1 && return 0; sleep 1; done
   die "dockerd did not answer within 90 s; see $state/docker/log"
 }
@@ -208,7 +209,7 @@ check_images() {  # nothing is ever pulled: every image the profiles name must b
 # waits for the first instead of starting a second engine or building the same image twice.
 mkdir -p "$state"
 exec 9>"$state/.lock"
-flock 9
+flock -w "${EC_LOCK_WAIT_S:-1800}" 9 || die "another compose_local.sh holds $state/.lock"
 if [ "$mode" != down ]; then engine_up; fi
 compose_cmd
 case "$mode" in
