@@ -27,6 +27,7 @@ from redis.connection import (
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
@@ -142,6 +143,8 @@ def make_client(config: CacheConfig) -> Any:
     unix = config.redis_url.startswith("unix://")
     if unix:  # a Unix socket has no TCP keepalive (redis-py's Unix connection refuses it)
         common = {k: v for k, v in common.items() if k != "socket_keepalive"}
+        # nor a host for redis-py 8.0's maintenance notifications, which then fail the connect
+        common["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
     connection_class = (
         ZeroCopyUnixConnection
         if unix
