@@ -46,6 +46,7 @@ from ec_redis.embedded import free_port
 from tests.doc_commands import doc_command
 from tests.e2e.load import Metrics
 from tests.e2e.prometheus import dashboard_targets, finite, grafana_expr
+from tests.e2e.test_online import chat_request
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_FILE = ".env.cpu"
@@ -165,28 +166,11 @@ def logs(dep: Deployment, profiles: str) -> str:
 
 
 def chat(url: str, image_seed: int) -> dict[str, Any]:
-    from ec_redis.demo.tiny_model import image_data_url, make_image
-
-    body = {
-        "model": env_value("MODEL"),
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "image_url",
-                        "image_url": {"url": image_data_url(make_image(image_seed))},
-                    },
-                    {"type": "text", "text": "What is shown in this image?"},
-                ],
-            }
-        ],
-        "temperature": 0,
-        "max_tokens": 4,
-        "seed": 0,
-        "logprobs": True,
-        "top_logprobs": 3,
-    }
+    # test_online's request, without its vLLM-only extensions (the compared answer is the
+    # OpenAI one: text, logprobs with the top 3, finish reason)
+    body = chat_request(Path(env_value("MODEL")), image_seed)
+    del body["prompt_logprobs"], body["return_token_ids"]
+    body["top_logprobs"] = 3
     response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
     assert response.status_code == 200, f"HTTP {response.status_code}: {response.text[:2000]}"
     choice = response.json()["choices"][0]
