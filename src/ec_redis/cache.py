@@ -20,6 +20,7 @@ from ec_redis.stats import Counters
 from ec_redis.tiers import notify
 from ec_redis.tiers.cpu import HostTier
 from ec_redis.tiers.gpu import DeviceTier
+from ec_redis.tiers.lease import Claim
 from ec_redis.tiers.pinned import PinnedPool
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from ec_redis.tiers.transfer import HostCopy, Transfer
@@ -128,7 +129,7 @@ class TieredCache:
         return self.get_many([key])[key]
 
     def get_many(
-        self, keys: Iterable[str], *, on_host: bool = False
+        self, keys: Iterable[str], *, on_host: bool = False, claim: Claim | None = None
     ) -> dict[str, torch.Tensor | None]:
         """Look up several ids; the Redis misses of local tiers go in one pipelined batch.
 
@@ -136,7 +137,8 @@ class TieredCache:
         buffers, which return to their pool) and promotes nothing to the GPU tier: for
         handing items to another process or to code that copies them itself. A read that
         landed in a buffer the caller lent (``codec/destination.py``) is not kept in the CPU
-        tier either: those bytes are the caller's.
+        tier either: those bytes are the caller's. ``claim``: single-flight claims for the
+        items Redis is asked about (``tiers/lease.py``); an item a local tier holds is not.
         """
         out: dict[str, torch.Tensor | None] = {}
         remote: list[str] = []
@@ -145,7 +147,7 @@ class TieredCache:
             if out[key] is None:
                 remote.append(key)
         if remote and self.redis is not None and not self._closed:
-            for key, host_tensor in self._redis_get_many(remote).items():
+            for key, host_tensor in self._redis_get_many(remote, claim).items():
                 if host_tensor is None:
                     continue
                 if not destination.is_lent(host_tensor):
@@ -159,11 +161,13 @@ class TieredCache:
         self.counters.inc("misses", len(out) - hits)
         return out
 
-    def _redis_get_many(self, keys: list[str]) -> dict[str, torch.Tensor | None]:
+    def _redis_get_many(
+        self, keys: list[str], claim: Claim | None = None
+    ) -> dict[str, torch.Tensor | None]:
         """Redis lookups; the tier turns Redis faults into misses, this guards against bugs."""
         assert self.redis is not None
         try:
-            return self.redis.get_many(keys)
+            return self.redis.get_many(keys, claim)
         except Exception as exc:  # a cache read must never take a vLLM step down with it
             self._internal_error("a Redis read", exc)
             return {}
@@ -204,18 +208,34 @@ class TieredCache:
             return True
         return self.redis is not None and self.redis.contains(key)
 
-    def describe_many(self, keys: Iterable[str]) -> dict[str, tuple[torch.dtype, Shape] | None]:
+    def describe_many(
+        self, keys: Iterable[str], claim: Claim | None = None
+    ) -> dict[str, tuple[torch.dtype, Shape] | None]:
         """dtype and shape of entries published to Redis: whole there (the head and every
         chunk it names), read without moving tensor bytes. ``None``: not published. A write
         still queued or in flight is not published: the queue may yet drop it (full, breaker
-        open, refused), and a producer told "published" would never encode the item again."""
+        open, refused), and a producer told "published" would never encode the item again.
+        ``claim``: as ``get_many``'s (an item whose write is still queued is not claimed)."""
         out: dict[str, tuple[torch.dtype, Shape] | None] = dict.fromkeys(map(_check_key, keys))
         if out and self.redis is not None and not self._closed:
             try:
-                out.update(self.redis.describe_many(list(out)))
+                if claim is not None and self.writer is not None:  # ours: being written
+                    claim.rows = {k: v for k, v in claim.rows.items() if not self._writing(k)}
+                out.update(self.redis.describe_many(list(out), claim))
             except Exception as exc:  # never take a vLLM step down with a cache read
                 self._internal_error("a head read", exc)
         return out
+
+    def _writing(self, key: str) -> bool:
+        return self.writer is not None and self.writer.pending(key) is not None
+
+    def release_lease(self, key: str, claim_value: bytes) -> None:
+        """Give up a single-flight lease this process claimed and will not fulfil."""
+        if self.redis is not None and not self._closed:
+            try:
+                self.redis.release(key, claim_value)
+            except Exception as exc:  # best effort: the lease expires by itself
+                self._internal_error("a lease release", exc)
 
     # -- writes --------------------------------------------------------------------------
 

@@ -84,6 +84,16 @@ class KeyBuilder:
         """The key holding the entry's header (and the whole blob when it is small)."""
         return f"{self.prefix}{escape_item(item)}}}"
 
+    def lease(self, item: str) -> str:
+        """The single-flight lease of the entry of ``item`` (``tiers/lease.py``): keyed like
+        the entry, in its Cluster slot, never a head (heads end with the closing brace)."""
+        return self.lease_of(self.head(item))
+
+    @staticmethod
+    def lease_of(head: str) -> str:
+        """The lease of the entry whose head key is ``head``."""
+        return f"{head}:lease"
+
     @staticmethod
     def chunk(head: str, write_id: int, index: int) -> str:
         """The key of chunk ``index`` (1-based) of write ``write_id`` of the entry at ``head``."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from ec_redis.config import ConnectorOptions
+from ec_redis.tiers.lease import Claim
 from tests.conftest import embedding, wait_for
 from tests.connector.conftest import request
 from tests.counters import count
@@ -24,9 +26,14 @@ class GatedCache:
     test opens the gate, so each state is observed before the next one."""
 
     writer = None
+    config = SimpleNamespace(producer_id="gated", max_blob_bytes=512 * 1024 * 1024)
 
     def __init__(self) -> None:
         self.stored: dict[str, torch.Tensor] = {}
+        # Single-flight leases as Redis would hold them: item -> (value, expiry on ``now``).
+        self.leases: dict[str, tuple[bytes, float]] = {}
+        self.now: Any = time.monotonic
+        self.released: list[tuple[str, bytes]] = []
         self.gate = threading.Semaphore(0)
         self.lookups: list[list[str]] = []
         self.fail_next = False
@@ -42,15 +49,43 @@ class GatedCache:
             self.fail_next = False
             raise RuntimeError("injected lookup failure")
 
-    def get_many(self, items: list[str], *, on_host: bool = False) -> dict[str, Any]:
+    def get_many(
+        self, items: list[str], *, on_host: bool = False, claim: Claim | None = None
+    ) -> dict[str, Any]:
         self._wait(items)
+        self._claim(items, claim)
         return {item: self.stored.get(item) for item in items}
+
+    def _claim(self, items: list[str], claim: Claim | None) -> None:
+        """What ``tiers/lease.py``'s CLAIM script answers, for each item ``claim`` names."""
+        for item in items if claim is not None else []:
+            assert claim is not None
+            if item not in claim.rows:
+                continue
+            if item in self.stored:
+                claim.settle(item, [0])
+                continue
+            now, ttl_ms = self.now(), claim.ttl_ms
+            held = self.leases.get(item)
+            if held is None or held[1] <= now:
+                self.leases[item] = (claim.value(item), now + ttl_ms / 1000)
+                claim.settle(item, [1, ttl_ms])
+            elif held[0] == claim.value(item):
+                claim.settle(item, [1, int((held[1] - now) * 1000)])
+            else:
+                claim.settle(item, [2, held[0], int((held[1] - now) * 1000)])
+
+    def release_lease(self, item: str, value: bytes) -> None:
+        self.released.append((item, value))
+        if self.leases.get(item, (b"",))[0] == value:
+            del self.leases[item]
 
     def subscribe(self, on_item: Any) -> None:
         return None  # announcements are driven by hand (Stager.nudge) in these tests
 
-    def describe_many(self, items: list[str]) -> dict[str, Any]:
+    def describe_many(self, items: list[str], claim: Claim | None = None) -> dict[str, Any]:
         self._wait(items)
+        self._claim(items, claim)
         return {
             item: (t.dtype, tuple(t.shape)) if (t := self.stored.get(item)) is not None else None
             for item in items

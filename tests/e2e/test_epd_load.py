@@ -4,7 +4,7 @@ ec_redis.proxy``, loaded by vLLM's own benchmark client (``random-mm``: 40 reque
 images each, 8 in flight), with a real Redis between them.
 
 1. Every item the encoder published reaches PD: no local encode on PD, one Redis hit per
-   image, a handful of scheduler waits (before the fix, up to 16 of 80 images per run waited
+   image, not one lookup that found nothing (before the fix, up to 16 of 80 images per run waited
    out ``consumer_wait_s``, with thousands of waits: the encoder's background write trailed
    its answer by up to 10 s; docs/benchmarks.md).
 2. Every ec_redis counter on both servers' ``/metrics`` equals what happened, counted once:
@@ -196,9 +196,11 @@ def test_every_item_the_encoder_published_reaches_pd_under_load(load_run: LoadRu
     assert ec(pd, "hits_redis_total") == images, seen
     assert ec(pd, "loaded_items_total") == images, seen
     assert ec(encoder, "save_wait_timeouts_total") == 0, seen  # each write beat the answer
-    # A request waits a step or two for its lookup (a few ms), not seconds of polling: with
-    # lost items PD counted thousands of waits per run, in clean runs 40-250.
-    assert ec(pd, "waits_total") <= 25 * LOAD.num_prompts, seen
+    # No polling for items that were not there: every lookup PD made found its item (each
+    # look that finds nothing is a miss, so an item lost or late shows here, however fast
+    # or slow the machine). Not a bound on ``waits``: those count steps spent waiting for a
+    # lookup in flight, which a busy machine (the CI's background image build) multiplies.
+    assert ec(pd, "misses_total") == 0, seen
 
 
 def test_every_counter_on_metrics_tells_what_happened_exactly_once(load_run: LoadRun) -> None:

@@ -20,10 +20,11 @@ from typing import Any
 from ec_redis.config import ConnectorOptions
 from ec_redis.connector.checks import TensorCheck
 from ec_redis.connector.ids import cache_id, request_salt
-from ec_redis.connector.staging import ABSENT, FETCHING, STAGED, Found, Stager
+from ec_redis.connector.staging import ABSENT, FETCHING, STAGED, Entry, Found, Stager
 from ec_redis.stats import Counters
 
 MAX_REQUESTS = 65536  # request records; vLLM finishes every request, this is a backstop
+LEASE_WAIT_MAX_S = 5.0  # longest wait on another instance's lease unless lease_ttl_s says
 # (index into mm_features, vLLM's identifier, the cache id it is staged under, modality)
 Needed = list[tuple[int, str, str, str]]
 
@@ -78,6 +79,10 @@ class RequestGate:
         self._wait_s = options.consumer_wait_s if is_consumer and not is_producer else 0.0
         # Only a pure consumer may be told never to encode (ec_both encodes what it misses).
         self._fail_on_missing = options.on_missing == "fail" and is_consumer and not is_producer
+        # Single flight: an instance that may encode waits on another's lease, this long at
+        # most per episode (and never past the lease's own deadline).
+        self._single_flight = is_producer and options.single_flight
+        self._lease_wait_s = options.lease_ttl_s or LEASE_WAIT_MAX_S
         self.counters = counters
         self._clock = clock
         self._records: dict[str, RequestRecord] = {}
@@ -187,6 +192,26 @@ class RequestGate:
                 self._stager.want(entry, request_id)
                 record.wanted.add(key)
             state = None if entry is None else entry.state
+            if entry is not None and state in (ABSENT, FETCHING):
+                until = self._lease_deadline(entry, record, rows[item], now)
+                if until and state == ABSENT and now < until:  # its holder encodes it
+                    waiting.add(item)
+                    due = entry.since + self._options.recheck_s
+                    if now >= due:  # looked up (and claimed) again now
+                        reserve = self._check.reserve(
+                            modality, request.get_num_encoder_embeds(index)
+                        )
+                        look.append((key, modality, reserve))
+                        next_look = min(next_look, now + self._options.fetch_wait_s, until)
+                    else:
+                        next_look = min(next_look, due, until)
+                    continue
+                if until and now >= until:
+                    self._took_over(entry)
+                    blocked[item] = "absent"  # the holder's deadline passed: encoded here
+                    continue
+                if until:  # a look in flight: whatever it brings, the deadline holds
+                    next_look = min(next_look, until)
             if entry is None or state == ABSENT:
                 why = "absent" if entry is None else entry.last_miss
                 if entry is not None and (
@@ -215,6 +240,9 @@ class RequestGate:
                 waiting.add(item)
                 next_look = min(next_look, deadline)
             elif state == STAGED and entry is not None and entry.found is not None:
+                # Found what another instance's lease stood for: held for it, as a pure
+                # producer's check counts it (``lease_waits``; the load is then saved).
+                self._lease_deadline(entry, record, rows[item], now)
                 found = entry.found
                 if not found.loadable:
                     blocked[item] = "refused"
@@ -227,7 +255,7 @@ class RequestGate:
             else:  # REFUSED: wrong dtype or width
                 blocked[item] = "refused"
         if look:
-            refused = self._start(look, request_id, record)
+            refused = self._start(look, request_id, record, rows, identifier_of)
             for item in {identifier_of[key] for key in refused}:  # staging is full now
                 if self._must_deliver(request, item) and now < wait_deadline:
                     next_look = min(next_look, now + self._options.recheck_s)
@@ -280,41 +308,93 @@ class RequestGate:
         checking = now < deadline  # else too late for a check to spare the encoder
         look: list[tuple[str, str, int]] = []
         in_flight = False
+        leased = math.inf  # the earliest wake-up of an item another instance encodes
         verdicts: dict[str, Found] = {}
         absent: set[str] = set()
         rows = rows_by_item(request)
+        identifier_of: dict[str, str] = {}
         for _, item, key, modality in needed:
+            identifier_of[key] = item
             entry = self._stager.get(key)
+            until = 0.0 if entry is None else self._lease_deadline(entry, record, rows[item], now)
+            waits = until > now and entry is not None and entry.state in (ABSENT, FETCHING)
             if entry is None or (
                 entry.state == ABSENT and now >= entry.since + self._options.recheck_s
             ):
-                if checking:
+                if checking or waits:
                     look.append((key, modality, 0))
+                    if waits:
+                        leased = min(leased, until)
                 continue
             if request_id not in entry.wanted_by:
                 self._stager.want(entry, request_id)
                 record.wanted.add(key)
+            if waits:  # its holder is encoding it: published soon, or the deadline passes
+                assert entry is not None
+                leased = min(leased, until, entry.since + self._options.recheck_s)
+                continue
             in_flight |= entry.state == FETCHING
             found = entry.found if entry.state == STAGED else None
             if found is not None and rows[item] == {found.rows}:
                 verdicts[item] = found
             elif entry.state == ABSENT:
+                if until:
+                    self._took_over(entry)
                 absent.add(item)
-        if look and {key for key, _, _ in look} - set(self._start(look, request_id, record)):
-            in_flight = True  # something is on its way (started or joined)
+        if look:
+            refused = set(self._start(look, request_id, record, rows, identifier_of))
+            if {key for key, _, _ in look} - refused:
+                in_flight = True  # something is on its way (started or joined)
         if checking and in_flight:
-            return False, deadline
+            return False, min(deadline, leased)
+        if leased < math.inf:
+            return False, leased
         self.verdicts[request_id] = verdicts
         self._note_unpublished(request, needed, absent)
         return True, math.inf
 
+    def _lease_deadline(
+        self, entry: Entry, record: RequestRecord, item_rows: set[int], now: float
+    ) -> float:
+        """Until when the request may wait for ``entry``'s item because another instance
+        holds its lease (0: it may not): only for a lease of the request's own rows (a
+        reused id of another size is encoded here at once), and at most ``lease_ttl_s``
+        from when the request began to wait."""
+        lease = entry.lease
+        if not self._single_flight or lease is None or lease.won or item_rows != {lease.rows}:
+            return 0.0
+        start = now if record.waiting_since is None else record.waiting_since
+        until = min(entry.lease_until, start + self._lease_wait_s)
+        if not entry.waited and now < until:
+            entry.waited = True
+            self.counters.inc("lease_waits")
+        return until
+
+    def _took_over(self, entry: Entry) -> None:
+        if not entry.took_over:
+            entry.took_over = True
+            self.counters.inc("lease_takeovers")
+
     def _start(
-        self, look: list[tuple[str, str, int]], request_id: str, record: RequestRecord
+        self,
+        look: list[tuple[str, str, int]],
+        request_id: str,
+        record: RequestRecord,
+        rows: dict[str, set[int]] | None = None,
+        identifier_of: dict[str, str] | None = None,
     ) -> list[str]:
         """Look up ``look`` (one look per cache id) for the request; the cache ids refused
-        for lack of room."""
+        for lack of room. ``rows`` (by identifier) and ``identifier_of`` (cache id ->
+        identifier) give the rows its claims carry: an id of one size in this request."""
         look = _one_per_key(look)
-        _, refused = self._stager.fetch(look, request_id)
+        claim_rows: dict[str, int] | None = None
+        if self._single_flight and rows is not None and identifier_of is not None:
+            claim_rows = {}
+            for key, _, _ in look:
+                sizes = rows.get(identifier_of.get(key, ""), set())
+                if len(sizes) == 1:
+                    claim_rows[key] = next(iter(sizes))
+        _, refused = self._stager.fetch(look, request_id, claim_rows)
         record.wanted.update(key for key, _, _ in look if key not in refused)
         return refused
 

@@ -32,8 +32,12 @@ spin while lookups run).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ec_redis.cache import TieredCache
@@ -48,9 +52,70 @@ from ec_redis.connector.staging import Found, Stager
 from ec_redis.connector.transport import InlineTransport
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
+from ec_redis.tiers.lease import Claim, Lease, claim_value, new_token
 
 MAX_OBSERVATIONS = 1024
 HOUSEKEEPING_S = 1.0
+# Single flight, auto deadline (lease_ttl_s 0): 3x the p90 of the last measured claim-to-stored
+# times, within these bounds; the default until something was measured.
+LEASE_AUTO_S = (0.25, 2.0, 5.0)  # (floor, default, ceiling)
+LEASE_SAMPLES = 64
+MAX_CLAIMS = 4096  # claims remembered for measuring (the oldest go first)
+LEASE_COUNTERS = (
+    "lease_claims",
+    "lease_waits",
+    "lease_loads",
+    "lease_skips",
+    "lease_takeovers",
+    "lease_encodes_saved",
+    "lease_releases",
+)
+
+
+class LeaseClock:
+    """The single-flight lease deadline: ``lease_ttl_s``, or derived from this instance's own
+    claim-to-stored times (a claim won, then the writer's announcement of that item: encode
+    plus write, as waiters elsewhere meet it). Fed from lookup and subscriber threads."""
+
+    def __init__(self, fixed_s: float, clock: Callable[[], float]) -> None:
+        self._fixed_s = fixed_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._claimed: OrderedDict[str, float] = OrderedDict()
+        self._samples: list[float] = []
+
+    def ttl_ms(self) -> int:
+        if self._fixed_s > 0:
+            return max(1, int(self._fixed_s * 1000))
+        floor, default, ceiling = LEASE_AUTO_S
+        with self._lock:
+            samples = sorted(self._samples)
+        if not samples:
+            return int(default * 1000)
+        p90 = samples[min(len(samples) - 1, int(len(samples) * 0.9))]
+        return int(min(max(3 * p90, floor), ceiling) * 1000)
+
+    def claimed(self, item: str) -> bool:
+        """Note a claim won for ``item``; False if it was already held (claimed again)."""
+        with self._lock:
+            if item in self._claimed:
+                return False
+            self._claimed[item] = self._clock()
+            while len(self._claimed) > MAX_CLAIMS:
+                self._claimed.popitem(last=False)
+            return True
+
+    def stored(self, item: str) -> None:
+        """A writer announced ``item``: if this instance claimed it, that is one sample."""
+        with self._lock:
+            since = self._claimed.pop(item, None)
+            if since is not None:
+                self._samples.append(self._clock() - since)
+                del self._samples[:-LEASE_SAMPLES]
+
+    def forget(self, item: str) -> None:
+        with self._lock:
+            self._claimed.pop(item, None)
 
 
 class SchedulerSide:
@@ -74,6 +139,16 @@ class SchedulerSide:
         self._clock = clock
         self.counters = Counters()
         self._fetch_seconds: list[float] = []
+        # Single flight (``tiers/lease.py``): instances that may encode claim the items they
+        # miss; this process's token names its leases.
+        self._single_flight = is_producer and options.single_flight
+        self._token = new_token(cache.config.producer_id)
+        # An item Redis would refuse (its encode could never end the lease) is never claimed.
+        self._claim_limit = cache.config.max_blob_bytes
+        self._lease_clock = LeaseClock(options.lease_ttl_s, clock)
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="ec_redis-lease")
+        for name in LEASE_COUNTERS:  # present from the start: a zero is a zero, not a gap
+            self.counters.inc(name, 0)
         self._stager = Stager(
             self._fetch_tensors if is_consumer else self._check_published,
             threads=options.lookup_threads,
@@ -84,6 +159,7 @@ class SchedulerSide:
             clock=clock,
             on_fetch=self._observe_fetch,
             outside=self._transport.outside_bytes,
+            release=self._release_lease,
         )
         self._gate = RequestGate(
             self._stager,
@@ -107,28 +183,77 @@ class SchedulerSide:
         )
         self._next_housekeeping = 0.0
         self._log = RateLimitedLog()
-        # A pure consumer hears the moment a producer stores an item it may wait for.
+        # A pure consumer hears the moment a producer stores an item it may wait for; so
+        # does a single-flight instance (items other instances hold the lease of).
         waits = is_consumer and not is_producer and options.consumer_wait_s > 0
-        self._subscription = (
-            cache.subscribe(self._stager.nudge) if waits and options.push_notifications else None
-        )
+        listen = (waits or self._single_flight) and options.push_notifications
+        self._subscription = cache.subscribe(self._on_stored) if listen else None
+
+    def _on_stored(self, item: str) -> object:
+        """A writer announced ``item`` (subscriber thread)."""
+        self._lease_clock.stored(item)
+        return self._stager.nudge(item)
 
     # -- lookups (run on the stager's threads) ----------------------------------------------
 
-    def _fetch_tensors(self, items: list[str]) -> dict[str, Found | None]:
+    def _claim(self, items: list[str]) -> Claim | None:
+        if not self._single_flight:
+            return None
+        rows = {
+            item: count
+            for item, count in self._stager.rows_of(items).items()
+            if self._check.reserve(self._stager.modality_of(item), count) < self._claim_limit
+        }
+        return Claim(self._token, self._lease_clock.ttl_ms(), rows) if rows else None
+
+    def _fetch_tensors(self, items: list[str]) -> dict[str, Found | Lease | None]:
         # Host tensors that own their memory: staged bytes may cross to worker processes.
         # A read may land straight in a file staged for the workers (``spares.py``).
+        claim = self._claim(items)
         with destination.lending(self._transport.lend):
-            found = self._cache.get_many(items, on_host=True)
-        return {
+            found = self._cache.get_many(items, on_host=True, claim=claim)
+        out: dict[str, Found | Lease | None] = {
             item: None if t is None else Found(t.dtype, tuple(t.shape), t)
             for item, t in found.items()
         }
+        return self._with_leases(out, claim)
 
-    def _check_published(self, items: list[str]) -> dict[str, Found | None]:
+    def _check_published(self, items: list[str]) -> dict[str, Found | Lease | None]:
         # A pure producer loads nothing: the blob heads say whether, and what, is published.
-        described = self._cache.describe_many(items)
-        return {item: None if d is None else Found(d[0], d[1]) for item, d in described.items()}
+        claim = self._claim(items)
+        described = self._cache.describe_many(items, claim)
+        out: dict[str, Found | Lease | None] = {
+            item: None if d is None else Found(d[0], d[1]) for item, d in described.items()
+        }
+        return self._with_leases(out, claim)
+
+    def _with_leases(
+        self, out: dict[str, Found | Lease | None], claim: Claim | None
+    ) -> dict[str, Found | Lease | None]:
+        """What each claim came to, for the items not found; a lease won for an item found
+        after all (a head that came between the read and the claim) is given back."""
+        if claim is None:
+            return out
+        for item, lease in claim.results.items():
+            if out.get(item) is not None:
+                if lease.won:
+                    self._cache.release_lease(item, claim.value(item))
+                continue
+            out[item] = lease
+            if lease.won and self._lease_clock.claimed(item):
+                self.counters.inc("lease_claims")
+        return out
+
+    def _release_lease(self, item: str, rows: int) -> None:
+        """A lease won for an entry that died before vLLM encoded it (the request finished,
+        was aborted, or found the item elsewhere): another instance may claim it now. Called
+        under the stager's lock, on the step or a lookup thread: the Redis call goes to a
+        thread of its own."""
+        self._lease_clock.forget(item)
+        self.counters.inc("lease_releases")
+        value = claim_value(rows, self._token)
+        with contextlib.suppress(RuntimeError):  # shut down: the lease expires by itself
+            self._releases.submit(self._cache.release_lease, item, value)
 
     def _observe_fetch(self, seconds: float) -> None:
         if len(self._fetch_seconds) < MAX_OBSERVATIONS:
@@ -185,11 +310,13 @@ class SchedulerSide:
             item = request.mm_features[index].identifier
             self._allocated.add((request.request_id, item))
             found = self._answers.get((request.request_id, item))
+            salt = request_salt(request)
             if found is None:  # encoded locally: a salted request's encode is saved as such
-                salt = request_salt(request)
                 key = cache_id(item, salt) if salt and self._is_producer else None
                 if key is not None:
                     self._save_as.setdefault(item, set()).add(key)
+                if self._single_flight:  # a lease won for it stays: the write ends it
+                    self._stager.encoding(cache_id(item, salt) or "")
                 return
             if self._is_consumer:
                 if request.get_num_encoder_embeds(index) != found.rows:
@@ -198,9 +325,21 @@ class SchedulerSide:
                     return
                 if item not in self._loads:
                     self._loads[item] = self._transport.load(item, found, self._step)
+                    self._after_lease_wait(item, salt, "lease_loads")
+            else:
+                self._after_lease_wait(item, salt, "lease_skips")
             self._gate.let_go(request, index)
         except Exception as exc:
             self.internal_error("update_state_after_alloc", exc)
+
+    def _after_lease_wait(self, item: str, salt: str | None, counter: str) -> None:
+        """An item loaded (or, on a pure producer, skipped) here: if a request waited on
+        another instance's lease for it, that is an encode single flight saved."""
+        key = cache_id(item, salt) if self._single_flight else None
+        entry = None if key is None else self._stager.get(key)
+        if entry is not None and entry.waited:
+            self.counters.inc(counter)
+            self.counters.inc("lease_encodes_saved")
 
     def build_connector_meta(self, scheduler_output: Any) -> ECRedisMetadata:
         save_as = {item: sorted(keys) for item, keys in self._save_as.items()}
@@ -360,6 +499,7 @@ class SchedulerSide:
     def shutdown(self) -> None:
         if self._subscription is not None:
             self._subscription.close()
+        self._releases.shutdown(wait=False, cancel_futures=True)
         self._stager.close()
         self._gate.clear()
         self._transport.close()

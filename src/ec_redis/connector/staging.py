@@ -31,6 +31,7 @@ import torch
 
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
+from ec_redis.tiers.lease import Lease
 
 FETCHING, STAGED, ABSENT, REFUSED = "fetching", "staged", "absent", "refused"
 
@@ -64,7 +65,9 @@ class Found:
         return count * self.dtype.itemsize
 
 
-Lookup = Callable[[list[str]], Mapping[str, Found | None]]
+# A lookup's answer per item: what it found, or, for an item it did not find and claimed
+# (single flight, ``tiers/lease.py``), the claim's outcome, or None.
+Lookup = Callable[[list[str]], Mapping[str, Found | Lease | None]]
 # Entry-level validation (dtype, width) of what a lookup found: a problem, or None.
 Check = Callable[[str, Found], str | None]
 # Where staged bytes live (transport.py): keep moves a found tensor there, discard frees it.
@@ -85,6 +88,14 @@ class Entry:
     last_miss: str = "absent"  # why it is ABSENT: "absent", or "stage_full" (no room)
     found: Found | None = None
     wanted_by: set[str] = field(default_factory=set)
+    rows: int = -1  # embedding rows of the request that started its look (-1: not one size)
+    # Single flight: the last claim's outcome while ABSENT, and, for another instance's
+    # lease, the earliest deadline seen (a later holder never extends a wait).
+    lease: Lease | None = None
+    lease_until: float = 0.0
+    waited: bool = False  # a request waited on another instance's lease for it
+    took_over: bool = False  # ... and this instance encodes it: that lease's deadline passed
+    encoding: bool = False  # this instance holds its lease and vLLM is encoding it
 
 
 class Stager:
@@ -104,8 +115,13 @@ class Stager:
         clock: Callable[[], float] = time.monotonic,
         on_fetch: Callable[[float], None] | None = None,
         outside: Callable[[], int] | None = None,
+        release: Callable[[str, int], None] | None = None,
     ) -> None:
+        """``release(item, rows)``: give up a lease this process won for an entry that died
+        before vLLM encoded it; called under the table's lock, so it must only hand the work
+        on (never touch Redis itself)."""
         self._lookup = lookup
+        self._release = release
         self._outside = outside or (lambda: 0)
         self._check = check
         self._keep = keep
@@ -142,11 +158,15 @@ class Stager:
             entry.touched = self._clock()
 
     def fetch(
-        self, wanted: Iterable[tuple[str, str, int]], request_id: str
+        self,
+        wanted: Iterable[tuple[str, str, int]],
+        request_id: str,
+        rows: Mapping[str, int] | None = None,
     ) -> tuple[list[str], list[str]]:
         """Start one batched lookup for ``(item, modality, reserve_bytes)`` triples: new items
         and ABSENT ones due for another look. Returns ``(started, refused)``: what is now in
-        flight for ``request_id``, and what found no room (the caller encodes those)."""
+        flight for ``request_id``, and what found no room (the caller encodes those).
+        ``rows``: the embedding rows the request has for an item, for its claim."""
         now = self._clock()
         started: list[str] = []
         refused: list[str] = []
@@ -174,6 +194,8 @@ class Stager:
                 entry.touched = now
                 entry.reserved = entry.estimate = reserve
                 entry.wanted_by.add(request_id)
+                if rows is not None and item in rows:
+                    entry.rows = rows[item]
                 self.reserved_bytes += reserve
                 started.append(item)
             if started:
@@ -218,6 +240,27 @@ class Stager:
         self._submit([item])
         return True
 
+    def rows_of(self, items: Iterable[str]) -> dict[str, int]:
+        """The rows each entry's look claims with; entries of no single size are left out."""
+        out: dict[str, int] = {}
+        for item in items:
+            entry = self._entries.get(item)
+            if entry is not None and entry.rows >= 0:
+                out[item] = entry.rows
+        return out
+
+    def modality_of(self, item: str) -> str:
+        entry = self._entries.get(item)
+        return "" if entry is None else entry.modality
+
+    def encoding(self, item: str) -> None:
+        """vLLM encodes ``item`` here this step: a lease won for it is kept (the write that
+        follows ends it) when the entry dies."""
+        with self._lock:
+            entry = self._entries.get(item)
+            if entry is not None and entry.lease is not None and entry.lease.won:
+                entry.encoding = True
+
     def release(self, item: str, request_id: str) -> None:
         """``request_id`` no longer wants ``item``; the entry dies with its last wanter."""
         with self._lock:
@@ -232,10 +275,12 @@ class Stager:
     def _run(self, batch: list[str]) -> None:
         started = time.perf_counter()
         try:
-            found: Mapping[str, Found | None] = self._lookup(batch)
+            found: Mapping[str, Found | Lease | None] = self._lookup(batch)
             if self._on_fetch is not None:
                 self._on_fetch(time.perf_counter() - started)
-            problems = {item: self._problem(item, r) for item, r in found.items() if r}
+            problems = {
+                item: self._problem(item, r) for item, r in found.items() if isinstance(r, Found)
+            }
         except Exception as exc:  # every entry of the batch must settle, whatever failed
             self.counters.inc("lookup_errors")
             self._log.warning("stage", "ec_redis: lookup failed: %r", exc)
@@ -243,7 +288,7 @@ class Stager:
         usable = {
             item: result
             for item, result in found.items()
-            if result is not None and problems.get(item) is None
+            if isinstance(result, Found) and problems.get(item) is None
         }
         overflow = self._reserve_real_sizes(usable)
         kept = {item: self._kept(result) for item, result in usable.items() if item not in overflow}
@@ -258,7 +303,7 @@ class Stager:
                     entry is not None
                     and entry.state == FETCHING
                     and entry.announced
-                    and found.get(item) is None
+                    and not isinstance(found.get(item), Found)
                     and entry.wanted_by
                     and not self._closed
                 ):
@@ -337,16 +382,19 @@ class Stager:
         return self._check(entry.modality, result)
 
     def _settle_locked(
-        self, entry: Entry, result: Found | None, problem: str | None, now: float
+        self, entry: Entry, result: Found | Lease | None, problem: str | None, now: float
     ) -> bool:
         """Move a FETCHING entry to its next state; True if it now holds ``result``."""
         entry.announced = False
         self.reserved_bytes -= entry.reserved
         entry.reserved, entry.since = 0, now
+        if isinstance(result, Lease) or result is None:
+            self._note_lease_locked(entry, result, now)
         if not entry.wanted_by:  # every request that wanted it ended meanwhile
             del self._entries[entry.item]
+            self._give_up_lease_locked(entry)
             return False
-        if result is None:
+        if not isinstance(result, Found):
             entry.state, entry.last_miss = ABSENT, "absent"
             return False
         if problem is not None:
@@ -364,6 +412,26 @@ class Stager:
         entry.state, entry.found = STAGED, result
         self.staged_bytes += size
         return True
+
+    @staticmethod
+    def _note_lease_locked(entry: Entry, lease: Lease | None, now: float) -> None:
+        """Record a claim's outcome (None: no lease, so nothing to wait for: Redis down, or
+        an entry there but unusable). Another instance's lease keeps the earliest deadline
+        seen: a request waits for one holder at most, never for a chain of them."""
+        if lease is not None and not lease.won:
+            until = now + lease.ttl_s
+            had = entry.lease is not None and not entry.lease.won
+            entry.lease_until = min(entry.lease_until, until) if had else until
+        entry.lease = lease
+
+    def _give_up_lease_locked(self, entry: Entry) -> None:
+        """The entry died: a lease this process won for it and vLLM never started encoding
+        is released, so a waiter elsewhere claims it at its next look."""
+        lease = entry.lease
+        if lease is None or not lease.won or entry.encoding or self._release is None:
+            return
+        entry.lease = None
+        self._release(entry.item, entry.rows)
 
     def wait(self, generation: int, deadline: float) -> None:
         """Sleep until a lookup returns after ``generation`` or ``deadline`` (a ``clock()``
@@ -392,6 +460,7 @@ class Stager:
             return
         if self._entries.get(entry.item) is entry:
             del self._entries[entry.item]
+        self._give_up_lease_locked(entry)
         if entry.found is not None:
             self.staged_bytes -= entry.found.nbytes
             self._free(entry.found)  # a file unlink at most; loads in transit hold their own

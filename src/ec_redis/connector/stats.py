@@ -55,6 +55,13 @@ COUNTERS: dict[str, str] = {
     "stage_spare_hits": "Staged files that were spares made ahead of time (no new tmpfs pages)",
     "internal_errors": "Unexpected errors inside connector hooks (each fell back to encoding)",
     "save_wait_timeouts": "Saved items not yet in Redis when their step's save_wait_s ran out",
+    "lease_claims": "New items this instance claimed in Redis and so encodes (single flight)",
+    "lease_waits": "Items a request here waited for because another instance held their lease",
+    "lease_loads": "Items loaded after waiting on another instance's lease",
+    "lease_skips": "Items a pure producer skipped after waiting on another instance's lease",
+    "lease_takeovers": "Items encoded here because another instance's lease deadline passed",
+    "lease_encodes_saved": "Encodes single flight saved here (lease_loads plus lease_skips)",
+    "lease_releases": "Leases given back unfulfilled (the request ended before its encode)",
 }
 GAUGES: dict[str, str] = {
     "breaker_state": "Redis circuit breaker: 0 closed, 1 open, 2 half-open",

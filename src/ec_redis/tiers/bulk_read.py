@@ -78,16 +78,20 @@ def read_into(
 
 
 def read_values(
-    client: Any, commands: Sequence[Sequence[Any]], prelude: Sequence[Sequence[Any]] = ()
-) -> tuple[list[Reply], list[Value]]:
+    client: Any,
+    commands: Sequence[Sequence[Any]],
+    prelude: Sequence[Sequence[Any]] = (),
+    tail: Sequence[Sequence[Any]] = (),
+) -> tuple[list[Reply], list[Value], list[Reply]]:
     """Send the ``prelude`` commands, then ``commands`` (each answered by one string or nil:
-    ``GET``, ``GETRANGE``), in one write. Returns the prelude's replies and the values: one up
-    to ``SMALL_VALUE`` bytes as ``bytes``, a larger one in a buffer of its own that the socket
-    was read straight into (one copy where redis-py makes two). An error reply is returned as a
-    typed ``ResponseError``, not raised."""
-    with _connection(client, [*prelude, *commands]) as reader:
+    ``GET``, ``GETRANGE``), then the ``tail`` commands, in one write. Returns the prelude's
+    replies, the values (one up to ``SMALL_VALUE`` bytes as ``bytes``, a larger one in a buffer
+    of its own that the socket was read straight into: one copy where redis-py makes two) and
+    the tail's replies. An error reply is returned as a typed ``ResponseError``, not raised."""
+    with _connection(client, [*prelude, *commands, *tail]) as reader:
         replies = [reader.reply() for _ in prelude]
-        return replies, [reader.value() for _ in commands]
+        values = [reader.value() for _ in commands]
+        return replies, values, [reader.reply() for _ in tail]
 
 
 @contextmanager

@@ -28,12 +28,22 @@ Description = tuple[torch.dtype, tuple[int, ...]]
 
 
 def describe(
-    client: Any, head_keys: Sequence[str], max_blob_bytes: int, guard: Guard
-) -> list[Description | None]:
-    """dtype and shape per head key, ``None`` where no whole entry of this format is there.
-    A redirection raises (the caller asks the node that serves the slot now); any other error
-    reply costs its own key only."""
-    replies = _run(client, head_keys)
+    client: Any,
+    head_keys: Sequence[str],
+    max_blob_bytes: int,
+    guard: Guard,
+    claims: Sequence[tuple[Any, ...]] = (),
+) -> tuple[list[Description | None], list[Any]]:
+    """dtype and shape per head key, ``None`` where no whole entry of this format is there,
+    and the replies of ``claims`` (single-flight claims, ``tiers/lease.py``) sent in the same
+    round trip after the probes. A redirection raises (the caller asks the node that serves
+    the slot now); any other error reply costs its own key only."""
+    replies = _run(client, head_keys, claims)
+    claimed = replies[len(head_keys) :]
+    replies = replies[: len(head_keys)]
+    for reply in claimed:
+        if isinstance(reply, REDIRECTS):
+            raise reply
     out: list[Description | None] = []
     for head_key, reply in zip(head_keys, replies, strict=True):
         if isinstance(reply, REDIRECTS):
@@ -43,17 +53,19 @@ def describe(
             out.append(None)
         else:
             out.append(_judge(head_key, reply, max_blob_bytes, guard))
-    return out
+    return out, claimed
 
 
-def _run(client: Any, head_keys: Sequence[str]) -> list[Any]:
-    """The script's reply per key; a server that does not know it yet gets its text (once:
-    it keeps it for the next ``EVALSHA``)."""
+def _run(client: Any, head_keys: Sequence[str], tail: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The script's reply per key, then ``tail``'s; a server that does not know the script
+    yet gets its text (once: it keeps it for the next ``EVALSHA``)."""
     pipe = client.pipeline(transaction=False)
     for key in head_keys:
         pipe.execute_command(*DESCRIBE.command([key], []))
+    for command in tail:
+        pipe.execute_command(*command)
     replies = list(pipe.execute(raise_on_error=False))
-    unknown = [i for i, reply in enumerate(replies) if is_noscript(reply)]
+    unknown = [i for i, reply in enumerate(replies[: len(head_keys)]) if is_noscript(reply)]
     if unknown:
         pipe = client.pipeline(transaction=False)
         for i in unknown:

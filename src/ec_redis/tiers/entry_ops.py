@@ -60,7 +60,10 @@ def write_entry(
         pipe.set(key, part, px=grace_ms)
     pipe.set(pending, parts[0], px=grace_ms)
     pipe.execute_command(*SWAP.command([head_key, *written], args))
-    *stored, reply = pipe.execute(raise_on_error=False)
+    # Single flight: the entry ends the lease of whoever claimed it (``tiers/lease.py``),
+    # whatever the swap's outcome (no entry after all: a waiter's next look claims it).
+    pipe.unlink(KeyBuilder.lease_of(head_key))
+    *stored, reply, _ = pipe.execute(raise_on_error=False)
     refused = [r for r in stored if isinstance(r, Exception)]
     if refused:  # e.g. OOM
         # redis-py re-sends a pipeline whose reply was lost: its first send may have switched

@@ -12,7 +12,8 @@ the tensor), else in one pipelined round trip for all such entries. With a slidi
 head is renewed by a ``PEXPIRE`` sent ahead of its read and the chunks by a script sent ahead
 of their ``GET``s. A bad version is deleted only while it is still current
 (compare-and-delete). An error reply to one key (a key of another type) is that item's miss
-alone; the batch's other items are served.
+alone; the batch's other items are served. Single-flight claims (``tiers/lease.py``) go in the
+heads' round trip, after the reads.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ec_redis.errors import BlobError, BlobTooLargeError
 from ec_redis.tiers import bulk_read, entry_ops
 from ec_redis.tiers.guard import REDIS_ERRORS, Guard
 from ec_redis.tiers.layout import chunk_keys
+from ec_redis.tiers.lease import Claim
 from ec_redis.tiers.nodes import REDIRECTS
 from ec_redis.tiers.scripts import RENEW, is_noscript
 
@@ -63,15 +65,35 @@ class EntryReader:
         self._renew_ms = renew_ms
         self._head_bytes = head_bytes
 
-    def read(self, client: Any, items: Sequence[str], head_keys: Sequence[str]) -> Out:
+    def read(
+        self,
+        client: Any,
+        items: Sequence[str],
+        head_keys: Sequence[str],
+        claim: Claim | None = None,
+        lease_keys: Sequence[str] = (),
+    ) -> Out:
+        """One whole version per item, or a miss; with ``claim``, the single-flight claims of
+        its items (``lease_keys``, one per item) ride in the heads' round trip, after them."""
         out: Out = dict.fromkeys(items)
         direct = bulk_read.supported(client)
-        heads = self._heads(client, head_keys, direct, self._head_bytes, self._renew_ms)
+        claimed: list[str] = []
+        claims: list[tuple[Any, ...]] = []
+        if claim is not None:
+            claimed, claims = claim.commands(list(items), list(lease_keys), list(head_keys))
+        heads, replies = self._heads(
+            client, head_keys, direct, self._head_bytes, self._renew_ms, claims
+        )
+        for item, reply in zip(claimed, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._refused(reply, "claim")  # that item is encoded, nobody waits for it
+            assert claim is not None
+            claim.settle(item, reply)
         longer = [i for i, head in enumerate(heads) if self._read_again(head)]
         if longer:  # heads longer than this reader's own writers make: whole, within the limit
             self.counters.inc("long_heads", len(longer))
             again = [head_keys[i] for i in longer]
-            for i, head in zip(longer, self._heads(client, again, direct), strict=True):
+            for i, head in zip(longer, self._heads(client, again, direct)[0], strict=True):
                 heads[i] = head
         found: list[_Found] = []
         for item, head_key, head in zip(items, head_keys, heads, strict=True):
@@ -90,26 +112,29 @@ class EntryReader:
         direct: bool,
         limit: int | None = None,
         renew_ms: int | None = None,
-    ) -> list[Any]:
+        tail: Sequence[tuple[Any, ...]] = (),
+    ) -> tuple[list[Any], list[Any]]:
         """Every head in one round trip, each read up to ``limit + 1`` bytes (default
         ``limit``: the largest entry accepted), so one that arrives longer than ``limit`` may
         have been cut; with ``renew_ms``, a ``PEXPIRE`` ahead of each read renews its TTL: hot
-        entries stay."""
+        entries stay. ``tail``: commands sent after the reads, whose replies come second."""
         last = self._max_blob_bytes if limit is None else limit
         reads = [("GETRANGE", key, 0, last) for key in head_keys]
         renewals = [] if renew_ms is None else [("PEXPIRE", key, renew_ms) for key in head_keys]
         if direct:
-            replies, heads = bulk_read.read_values(client, reads, renewals)
+            replies, heads, after = bulk_read.read_values(client, reads, renewals, tail)
         else:
             pipe = client.pipeline(transaction=False)
-            for command in (*renewals, *reads):
+            for command in (*renewals, *reads, *tail):
                 pipe.execute_command(*command)
             answers = pipe.execute(raise_on_error=False)
-            replies, heads = answers[: len(renewals)], answers[len(renewals) :]
+            replies = answers[: len(renewals)]
+            heads = answers[len(renewals) : len(renewals) + len(reads)]
+            after = answers[len(renewals) + len(reads) :]
         for reply in replies:
             if isinstance(reply, Exception):
                 self._refused(reply, "renew")
-        return list(heads)
+        return list(heads), list(after)
 
     def _read_again(self, head: Any) -> bool:
         """Whether a head may have been cut (it arrived longer than ``head_bytes`` and is not

@@ -39,6 +39,7 @@ from ec_redis.tiers.base import Tier, tensor_nbytes
 from ec_redis.tiers.entry_read import EntryReader
 from ec_redis.tiers.guard import REDIS_ERRORS, Guard
 from ec_redis.tiers.layout import PROBE_BYTES, part_size
+from ec_redis.tiers.lease import RELEASE_SCRIPT, Claim
 from ec_redis.tiers.nodes import REDIRECTS, Node, nodes_for
 
 T = TypeVar("T")
@@ -147,15 +148,24 @@ class RedisTier(Tier):
     def get(self, key: str) -> torch.Tensor | None:
         return self.get_many([key])[key]
 
-    def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor | None]:
+    def get_many(
+        self, keys: Iterable[str], claim: Claim | None = None
+    ) -> dict[str, torch.Tensor | None]:
+        """The entries of ``keys`` (misses as ``None``); with ``claim``, the single-flight
+        claims of its items go in the same round trip (``tiers/lease.py``)."""
         items = list(dict.fromkeys(keys))
         head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
+        lease_keys = [self.keys.lease(item) for item in items] if claim is not None else []
         out: dict[str, torch.Tensor | None] = dict.fromkeys(items)
         started = time.perf_counter()
 
         def read(client: Any, indices: list[int]) -> dict[str, torch.Tensor | None]:
             return self._reader.read(
-                client, [items[i] for i in indices], [head_keys[i] for i in indices]
+                client,
+                [items[i] for i in indices],
+                [head_keys[i] for i in indices],
+                claim,
+                [lease_keys[i] for i in indices] if claim is not None else [],
             )
 
         served = 0
@@ -194,18 +204,32 @@ class RedisTier(Tier):
         return out
 
     def describe_many(
-        self, keys: Iterable[str]
+        self, keys: Iterable[str], claim: Claim | None = None
     ) -> dict[str, tuple[torch.dtype, tuple[int, ...]] | None]:
         """dtype and shape of whole stored entries (the head and every chunk it names), from a
         bounded prefix of each head: no tensor bytes move. A missing, foreign or corrupt head,
-        or one whose chunks are not all there, is ``None``."""
+        or one whose chunks are not all there, is ``None``. With ``claim``, as ``get_many``."""
         items = list(dict.fromkeys(keys))
         head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
         out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(items)
 
         def probe(client: Any, indices: list[int]) -> list[describe.Description | None]:
             chosen = [head_keys[i] for i in indices]
-            return describe.describe(client, chosen, self.options.max_blob_bytes, self._guard)
+            claimed: list[str] = []
+            claims: list[tuple[Any, ...]] = []
+            if claim is not None:
+                names = [items[i] for i in indices]
+                leases = [self.keys.lease(item) for item in names]
+                claimed, claims = claim.commands(names, leases, chosen)
+            found, replies = describe.describe(
+                client, chosen, self.options.max_blob_bytes, self._guard, claims
+            )
+            for item, reply in zip(claimed, replies, strict=True):
+                if isinstance(reply, Exception):
+                    self._guard.refused_key("claim", reply)
+                assert claim is not None
+                claim.settle(item, reply)
+            return found
 
         for indices, found in self._per_node("describe", head_keys, probe, lambda _: None):
             for i, description in zip(indices, found or [], strict=False):
@@ -267,6 +291,18 @@ class RedisTier(Tier):
         if outcome != entry_ops.STORED:
             self.counters.inc(f"write_{outcome}")  # write_conflict, write_incomplete
         return outcome == entry_ops.STORED
+
+    def release(self, key: str, claim_value: bytes) -> bool:
+        """Delete the single-flight lease of ``key`` if it is still the one claimed with
+        ``claim_value`` (a holder that will not encode after all); False if not reached."""
+        lease_key = self.keys.lease(key)
+
+        def release(client: Any, _: list[int]) -> bool:
+            client.execute_command("EVAL", RELEASE_SCRIPT, 1, lease_key, claim_value)
+            return True
+
+        ((_, done),) = self._per_node("release", [self.keys.head(key)], release, lambda _: False)
+        return bool(done)
 
     def delete(self, key: str) -> None:
         """Delete the entry's head and the chunks it names, atomically."""

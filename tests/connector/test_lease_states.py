@@ -1,0 +1,181 @@
+"""Single flight, transition by transition: two scheduler halves (two instances) share one
+cache whose lookups the test releases by hand and whose leases behave as ``tiers/lease.py``'s
+scripts do (``test_scheduler_states.GatedCache``), on a clock the test sets. What holds: one
+claimant encodes, the other waits and loads; a wait ends at the lease's deadline, never later;
+a lease never becomes a "yes"; a lease of other rows is never waited on; a claimant whose
+request ends before its encode gives the lease back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ec_redis.config import ConnectorOptions
+from tests.conftest import embedding, wait_for
+from tests.connector.conftest import request
+from tests.connector.test_promises import Clock, counter
+from tests.connector.test_scheduler_states import WIDTH, GatedCache
+
+pytestmark = pytest.mark.vllm
+
+
+def instance(cache: GatedCache, clock: Clock, role: str = "ec_both", **options: Any) -> Any:
+    from ec_redis.connector.checks import TensorCheck
+    from ec_redis.connector.scheduler import SchedulerSide
+
+    defaults: dict[str, Any] = {"consumer_wait_s": 0.0, "recheck_s": 0.01, "lookup_wait_s": 0}
+    return SchedulerSide(
+        cache,  # type: ignore[arg-type]
+        ConnectorOptions(**{**defaults, **options}),
+        TensorCheck(torch.bfloat16, lambda modality: WIDTH, WIDTH),
+        is_producer=role in ("ec_producer", "ec_both"),
+        is_consumer=role in ("ec_consumer", "ec_both"),
+        clock=clock,
+    )
+
+
+def fleet(role: str = "ec_both", **options: Any) -> tuple[Any, Any, GatedCache, Clock]:
+    clock = Clock()
+    cache = GatedCache()
+    cache.now = clock
+    return (
+        instance(cache, clock, role, **options),
+        instance(cache, clock, role, **options),
+        cache,
+        clock,
+    )
+
+
+def look(side: Any, cache: GatedCache, req: Any) -> bool:
+    """ensure (a lookup starts) -> it returns -> ensure again: the answer after the look."""
+    generation = side._stager.generation
+    assert side.ensure_cache_available(req, 0) is False  # its look is in flight
+    cache.open()
+    wait_for(lambda: side._stager.generation > generation, 10, "the look to return")
+    wait_for(lambda: side._stager.in_flight == 0, 10, "lookups to return")
+    return bool(side.ensure_cache_available(req, 0))
+
+
+def encode_here(side: Any, req: Any, item: str) -> None:
+    """vLLM encodes ``item`` for ``req`` (no yes): allocated, the step ends."""
+    assert side.has_cache_item(item) is False
+    side.update_state_after_alloc(req, 0)
+    side.build_connector_meta(None)
+
+
+def test_one_claimant_encodes_the_other_waits_and_loads_its_entry() -> None:
+    a, b, cache, clock = fleet(lease_ttl_s=2.0)
+    ra, rb = request("ra", ("new", 16)), request("rb", ("new", 16))
+    assert look(a, cache, ra) is True  # claimed: let through to encode
+    assert counter(a, "lease_claims") == 1
+    assert look(b, cache, rb) is False  # a's lease: held, not encoded
+    assert b.has_cache_item("new") is False  # a lease is never a yes
+    assert counter(b, "lease_waits") == 1 and counter(b, "lease_claims") == 0
+    encode_here(a, ra, "new")
+    a.request_finished(ra)
+    assert cache.released == []  # encoded: the write that follows ends the lease
+    clock.now += 0.5  # still within a's deadline
+    assert b.ensure_cache_available(rb, 0) is False  # due for another look: it starts
+    cache.stored["new"] = embedding(16, WIDTH, seed=3)  # a's write landed
+    generation = b._stager.generation
+    cache.open()
+    wait_for(lambda: b._stager.generation > generation, 10, "the look to return")
+    assert b.ensure_cache_available(rb, 0) is True
+    assert b.has_cache_item("new") is True
+    b.update_state_after_alloc(rb, 0)
+    loads = b.build_connector_meta(None).loads
+    assert [load.mm_hash for load in loads] == ["new"]
+    assert counter(b, "lease_loads") == 1 and counter(b, "lease_encodes_saved") == 1
+    assert counter(b, "lease_takeovers") == 0
+
+
+def test_a_wait_ends_at_the_deadline_and_the_waiter_encodes() -> None:
+    a, b, cache, clock = fleet(lease_ttl_s=2.0)
+    ra, rb = request("ra", ("stall", 16)), request("rb", ("stall", 16))
+    assert look(a, cache, ra) is True  # a claims, then stalls (never encodes)
+    assert look(b, cache, rb) is False
+    clock.now += 1.99
+    # Not yet: a look is due (recheck) but the lease is still a's.
+    assert b.ensure_cache_available(rb, 0) is False
+    cache.open()
+    wait_for(lambda: b._stager.in_flight == 0, 10, "the look to return")
+    clock.now += 0.02  # past the deadline seen first (a later look never extends it)
+    assert b.ensure_cache_available(rb, 0) is True
+    assert b.has_cache_item("stall") is False  # encoded here
+    assert counter(b, "lease_takeovers") == 1
+
+
+def test_a_wait_never_outlasts_lease_ttl_s_even_for_a_longer_lease() -> None:
+    """A hostile or misconfigured holder with an hour-long lease: ours bounds the wait."""
+    a, _, cache, clock = fleet(lease_ttl_s=3600.0)
+    b = instance(cache, clock, lease_ttl_s=0.5)
+    ra, rb = request("ra", ("long", 16)), request("rb", ("long", 16))
+    assert look(a, cache, ra) is True
+    assert look(b, cache, rb) is False
+    clock.now += 0.51
+    assert b.ensure_cache_available(rb, 0) is True and b.has_cache_item("long") is False
+
+
+def test_a_reused_id_of_other_rows_never_waits_on_the_lease() -> None:
+    a, b, cache, _ = fleet(lease_ttl_s=30.0)
+    assert look(a, cache, request("ra", ("img", 16))) is True
+    rb = request("rb", ("img", 24))  # the same id, another size: other content
+    assert look(b, cache, rb) is True  # encoded at once
+    assert b.has_cache_item("img") is False
+    assert counter(b, "lease_waits") == 0
+
+
+def test_a_garbage_lease_value_is_never_waited_on() -> None:
+    _, b, cache, clock = fleet(lease_ttl_s=30.0)
+    cache.leases["junk"] = (b"not a lease", clock.now + 3600)
+    rb = request("rb", ("junk", 16))
+    assert look(b, cache, rb) is True and b.has_cache_item("junk") is False
+    assert counter(b, "lease_waits") == 0
+
+
+def test_a_claimant_whose_request_ends_before_its_encode_gives_the_lease_back() -> None:
+    a, b, cache, clock = fleet(lease_ttl_s=30.0)
+    ra, rb = request("ra", ("gone", 16)), request("rb", ("gone", 16))
+    assert look(a, cache, ra) is True
+    assert look(b, cache, rb) is False
+    a.request_finished(ra)  # aborted before vLLM scheduled its encode
+    wait_for(lambda: "gone" not in cache.leases, 10, "the lease to be released")
+    assert counter(a, "lease_releases") == 1
+    clock.now += 0.02  # b's next look claims it
+    assert b.ensure_cache_available(rb, 0) is False
+    cache.open()
+    wait_for(lambda: b._stager.in_flight == 0, 10, "the look to return")
+    assert b.ensure_cache_available(rb, 0) is True and b.has_cache_item("gone") is False
+    assert counter(b, "lease_claims") == 1
+
+
+def test_a_pure_producer_waits_on_the_lease_then_skips_the_published_item() -> None:
+    a, b, cache, clock = fleet("ec_producer", lease_ttl_s=2.0, producer_check_wait_s=0.01)
+    ra, rb = request("ra", ("enc", 16)), request("rb", ("enc", 16))
+    assert look(a, cache, ra) is True and a.has_cache_item("enc") is False
+    assert look(b, cache, rb) is False  # past producer_check_wait_s, still held: a's lease
+    clock.now += 0.5
+    assert b.ensure_cache_available(rb, 0) is False  # looks again
+    cache.stored["enc"] = embedding(16, WIDTH)
+    cache.open()
+    wait_for(lambda: b._stager.in_flight == 0, 10, "the look to return")
+    assert b.ensure_cache_available(rb, 0) is True
+    assert b.has_cache_item("enc") is True  # published: b skips the encode
+    b.update_state_after_alloc(rb, 0)
+    assert counter(b, "lease_skips") == 1 and counter(b, "lease_encodes_saved") == 1
+
+
+def test_without_single_flight_nobody_claims_or_waits() -> None:
+    a, b, cache, _ = fleet(single_flight=False)
+    assert look(a, cache, request("ra", ("x", 16))) is True
+    assert look(b, cache, request("rb", ("x", 16))) is True
+    assert cache.leases == {}
+    assert counter(a, "lease_claims") == 0 == counter(b, "lease_waits")
+
+
+def test_a_pure_consumer_never_claims() -> None:
+    a, _, cache, _ = fleet("ec_consumer")
+    look(a, cache, request("ra", ("c", 16)))
+    assert cache.leases == {}

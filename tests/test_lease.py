@@ -1,0 +1,223 @@
+"""Single-flight leases in the Redis tier (``tiers/lease.py``), against real servers: the
+claim rides in the lookup's own round trip and is atomic against writers and other claimants;
+a lease is keyed like its entry, ends with the entry's write or by itself, and is released
+only by its own claimant; whatever else sits under the lease key never makes anyone wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from ec_redis import TieredCache
+from ec_redis.embedded import EmbeddedCluster, Flavor
+from ec_redis.keys import KeyBuilder, ModelIdentity
+from ec_redis.tiers.lease import Claim, Lease
+from tests.conftest import embedding
+from tests.counters import count
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def open_cache(redis_url: str) -> Iterator[Callable[..., TieredCache]]:
+    made: list[TieredCache] = []
+
+    def make(**overrides: Any) -> TieredCache:
+        config = {"redis_url": redis_url, "cpu_cache_bytes": 0, "gpu_cache_bytes": 0}
+        cache = TieredCache.from_config({**config, **overrides})
+        made.append(cache)
+        return cache
+
+    yield make
+    for cache in made:
+        cache.close()
+
+
+def claim(token: str, rows: int = 16, ttl_ms: int = 5000, *items: str) -> Claim:
+    return Claim(token, ttl_ms, dict.fromkeys(items or ("x",), rows))
+
+
+def lease_keys(raw: redis.Redis) -> list[bytes]:
+    return sorted(k for k in raw.keys("*") if k.endswith(b":lease"))
+
+
+@pytest.mark.parametrize("path", ["get", "describe"])
+def test_of_many_claimants_at_once_exactly_one_wins(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis, path: str
+) -> None:
+    caches = [open_cache() for _ in range(8)]
+    claims = [claim(f"c{i}") for i in range(8)]
+    start = threading.Barrier(len(caches))
+
+    def run(cache: TieredCache, mine: Claim) -> None:
+        start.wait()
+        if path == "get":
+            assert cache.get_many(["x"], on_host=True, claim=mine) == {"x": None}
+        else:
+            assert cache.describe_many(["x"], mine) == {"x": None}
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(caches, claims, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    outcomes = [c.results["x"] for c in claims]
+    winners = [i for i, lease in enumerate(outcomes) if lease.won]
+    assert len(winners) == 1, outcomes
+    losers = [lease for lease in outcomes if not lease.won]
+    assert all(lease.rows == 16 and 0 < lease.ttl_s <= 5 for lease in losers), losers
+    assert raw.get(lease_keys(raw)[0]) == f"16|c{winners[0]}".encode()
+
+
+def test_no_claim_where_the_entry_is_and_the_write_ends_the_lease(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis
+) -> None:
+    writer, reader = open_cache(), open_cache()
+    won = claim("w")
+    assert writer.get_many(["x"], on_host=True, claim=won)["x"] is None
+    assert won.results["x"].won and len(lease_keys(raw)) == 1
+    writer.put("x", embedding(16, 128))
+    assert writer.flush(10)
+    assert lease_keys(raw) == []  # the write's own round trip deleted it
+    late = claim("r")
+    assert reader.get_many(["x"], on_host=True, claim=late)["x"] is not None
+    assert late.results == {}  # found: nothing to claim
+    assert lease_keys(raw) == []
+
+
+def test_a_claimant_gets_its_own_lease_back_without_a_longer_deadline(
+    open_cache: Callable[..., TieredCache],
+) -> None:
+    cache = open_cache()
+    first = claim("me", ttl_ms=3000)
+    cache.get_many(["x"], on_host=True, claim=first)
+    time.sleep(0.3)
+    again = claim("me", ttl_ms=3000)
+    cache.get_many(["x"], on_host=True, claim=again)
+    assert again.results["x"].won
+    assert again.results["x"].ttl_s < 2.9  # the time left, not a fresh deadline
+
+
+def test_release_deletes_only_ones_own_lease(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis
+) -> None:
+    a, b = open_cache(), open_cache()
+    mine = claim("a")
+    a.get_many(["x"], on_host=True, claim=mine)
+    b.release_lease("x", claim("b").value("x"))  # not b's: stays
+    assert len(lease_keys(raw)) == 1
+    a.release_lease("x", mine.value("x"))
+    assert lease_keys(raw) == []
+
+
+def test_leases_expire_by_themselves(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis
+) -> None:
+    cache = open_cache()
+    burst = claim("t", 16, 200, *[f"i{n}" for n in range(20)])
+    cache.get_many(list(burst.rows), on_host=True, claim=burst)
+    assert len(burst.results) == 20 and len(lease_keys(raw)) == 20
+    assert all(0 < raw.pttl(key) <= 200 for key in lease_keys(raw))
+    deadline = time.monotonic() + 5
+    while lease_keys(raw) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lease_keys(raw) == []
+
+
+@pytest.mark.parametrize(
+    ("planted", "expected"),
+    [
+        (b"garbage", Lease(False, -1, 5.0)),  # no rows: never waited on (the gate's rule)
+        (b"16|", Lease(False, -1, 5.0)),  # no token
+        (b"99999999999999|t", Lease(False, -1, 5.0)),  # absurd rows
+    ],
+)
+def test_a_foreign_lease_value_reads_as_nobodys_rows(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis, planted: bytes, expected: Lease
+) -> None:
+    cache = open_cache()
+    head = cache.redis.keys.head("x")  # type: ignore[union-attr]
+    raw.set(KeyBuilder.lease_of(head), planted)  # no TTL: nobody of ours set it
+    mine = claim("me", ttl_ms=5000)
+    assert cache.get_many(["x"], on_host=True, claim=mine) == {"x": None}
+    assert mine.results["x"] == expected  # waited on for our own deadline at most
+
+
+def test_a_lease_key_of_another_type_is_no_claim_and_no_crash(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis
+) -> None:
+    cache = open_cache()
+    head = cache.redis.keys.head("x")  # type: ignore[union-attr]
+    raw.rpush(KeyBuilder.lease_of(head), b"a list")
+    mine = claim("me")
+    assert cache.get_many(["x"], on_host=True, claim=mine) == {"x": None}
+    assert mine.results == {}  # no lease: encoded, nobody waits
+    assert count(cache.stats()["redis"], "foreign_keys") == 1
+
+
+def test_a_lease_is_keyed_like_its_entry(open_cache: Callable[..., TieredCache]) -> None:
+    """Model, weights, tenant salt and a request's salt (in the item id) all part leases."""
+    base = open_cache()
+    others = [
+        open_cache(tenant_salt="tenant-b"),
+        open_cache(namespace="other"),
+    ]
+    first = claim("a")
+    base.get_many(["x"], on_host=True, claim=first)
+    assert first.results["x"].won
+    for cache in others:
+        theirs = claim("b")
+        cache.get_many(["x"], on_host=True, claim=theirs)
+        assert theirs.results["x"].won, "a lease of another tenant or namespace was shared"
+    salted = claim("b", 16, 5000, "%salt%x")  # a request's cache_salt lives in the item id
+    base.get_many(["%salt%x"], on_host=True, claim=salted)
+    assert salted.results["%salt%x"].won
+    keys = KeyBuilder("ecr", ModelIdentity("m"))
+    assert keys.lease("x") == keys.head("x") + ":lease"
+    assert key_slot(keys.lease("x").encode()) == key_slot(keys.head("x").encode())
+
+
+def test_no_claim_is_made_while_the_breaker_is_open(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis
+) -> None:
+    cache = open_cache(breaker_cooldown_s=60)
+    tier = cache.redis
+    assert tier is not None
+    for _ in range(20):
+        tier.breaker.failure()
+    assert tier.breaker.state == 1  # open: the fault happened
+    mine = claim("me")
+    assert cache.get_many(["x"], on_host=True, claim=mine) == {"x": None}
+    assert mine.results == {} and lease_keys(raw) == []
+
+
+def test_a_cluster_claim_lives_in_the_entrys_slot(server_flavor: Flavor) -> None:
+    with EmbeddedCluster.start(masters=3, replicas_per_master=0, flavor=server_flavor) as cluster:
+        caches = [
+            TieredCache.from_config(
+                {"redis_url": cluster.url, "cpu_cache_bytes": 0, "gpu_cache_bytes": 0}
+            )
+            for _ in range(2)
+        ]
+        try:
+            items = [f"img-{i}" for i in range(12)]
+            first, second = claim("a", 16, 5000, *items), claim("b", 16, 5000, *items)
+            caches[0].get_many(items, on_host=True, claim=first)
+            caches[1].get_many(items, on_host=True, claim=second)
+            assert all(first.results[i].won for i in items)
+            assert all(not second.results[i].won for i in items)
+            keys = caches[0].redis.keys  # type: ignore[union-attr]
+            owners = {cluster.key_owner(keys.head(i)) for i in items}
+            assert len(owners) > 1  # spread over masters, each lease with its entry
+            for item in items:
+                owner = cluster.key_owner(keys.head(item))
+                assert cluster.call(owner, "EXISTS", keys.lease(item)) == 1
+        finally:
+            for cache in caches:
+                cache.close()
