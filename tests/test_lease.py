@@ -221,3 +221,54 @@ def test_a_cluster_claim_lives_in_the_entrys_slot(server_flavor: Flavor) -> None
         finally:
             for cache in caches:
                 cache.close()
+
+
+def test_a_write_that_will_never_land_ends_the_lease(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis
+) -> None:
+    """The claimant encoded, but Redis refuses the entry (larger than max_blob_bytes): the
+    lease goes at once, so waiters elsewhere encode now rather than at the deadline."""
+    cache = open_cache(max_blob_bytes="64KiB")
+    won = claim("me", 64, 30000)
+    cache.get_many(["x"], on_host=True, claim=won)
+    assert won.results["x"].won and len(lease_keys(raw)) == 1
+    assert cache.put("x", embedding(1024, 128))  # 256 KiB: kept locally, refused by Redis
+    assert cache.flush(10)
+    assert count(cache.stats()["redis"], "write_rejected") == 1  # the refusal happened
+    deadline = time.monotonic() + 10
+    while lease_keys(raw) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lease_keys(raw) == []
+
+
+def test_every_write_the_queue_drops_is_reported_once() -> None:
+    from ec_redis.tiers.transfer import HostCopy
+    from ec_redis.writer import BackgroundWriter
+
+    started, release = threading.Event(), threading.Event()
+    lost: list[str] = []
+
+    def sink(key: str, host: HostCopy) -> bool:
+        started.set()
+        release.wait(10)
+        return key != "fails"
+
+    writer = BackgroundWriter(sink, max_items=2, max_bytes=1 << 20, on_lost=lost.append)
+    try:
+        host = lambda n: HostCopy(embedding(n, 128))  # noqa: E731
+        assert writer.submit("busy", host(4))
+        assert started.wait(5)  # taken by the thread, blocked in the sink
+        assert writer.submit("a", host(4)) and writer.submit("fails", host(4))
+        assert writer.submit("b", host(4))  # full: "a", the oldest queued, is dropped
+        assert writer.submit("huge", host(8192)) is False  # 2 MiB > max_bytes
+        release.set()
+        assert writer.flush(10)
+        deadline = time.monotonic() + 5
+        while len(lost) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # a failed write is not reported (Redis failed: waiters see it too)
+        assert sorted(lost) == ["a", "huge"]
+        assert writer.stats()["failed"] == 1
+    finally:
+        release.set()
+        writer.close(2)

@@ -93,6 +93,7 @@ class TieredCache:
                 config.write_queue_items,
                 config.write_queue_bytes,
                 config.writer_threads,
+                on_lost=self._write_lost,
             )
         self._closed = False
 
@@ -236,6 +237,11 @@ class TieredCache:
                 self.redis.release(key, claim_value)
             except Exception as exc:  # best effort: the lease expires by itself
                 self._internal_error("a lease release", exc)
+
+    def _write_lost(self, key: str) -> bool:
+        """The queue dropped the write of ``key``: end its single-flight lease (a writer
+        thread), so instances waiting for it encode it now. False: Redis did not take it."""
+        return self.redis is not None and not self._closed and self.redis.end_lease(key)
 
     # -- writes --------------------------------------------------------------------------
 

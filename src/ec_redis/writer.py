@@ -5,14 +5,18 @@ pinned pool block rounded up, or a tensor's whole storage), not its tensor's siz
 full, the **oldest** pending write is dropped and counted (its data is still in the local
 tiers; only sharing is lost). A newer write of a pending key replaces the older one. Threads
 are daemons and ``close`` has a deadline, so an engine can always exit. A write reads its
-host copy only after the device->host copy's ``ready`` event (``HostCopy.wait``).
+host copy only after the device->host copy's ``ready`` event (``HostCopy.wait``). A write
+the queue drops (full, or larger than the whole queue) is handed to ``on_lost`` on a writer
+thread: the cache ends the item's single-flight lease, so other instances waiting for this
+write encode the item at their next look instead of at the lease's deadline. (A write the
+sink fails is not: Redis is what failed, and the waiters' own lookups meet that.)
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -21,6 +25,7 @@ from ec_redis.stats import Counters
 from ec_redis.tiers.transfer import HostCopy
 
 Sink = Callable[[str, HostCopy], bool]
+MAX_LOST = 4096  # lost writes awaiting on_lost (the oldest are forgotten: leases expire)
 
 
 @dataclass
@@ -30,8 +35,17 @@ class _Job:
 
 
 class BackgroundWriter:
-    def __init__(self, sink: Sink, max_items: int, max_bytes: int, threads: int = 1) -> None:
+    def __init__(
+        self,
+        sink: Sink,
+        max_items: int,
+        max_bytes: int,
+        threads: int = 1,
+        on_lost: Callable[[str], object] | None = None,
+    ) -> None:
         self._sink = sink
+        self._on_lost = on_lost
+        self._lost: deque[str] = deque(maxlen=MAX_LOST)
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._queue: OrderedDict[str, _Job] = OrderedDict()
@@ -53,6 +67,7 @@ class BackgroundWriter:
         nbytes = host.nbytes
         if nbytes > self._max_bytes:
             self.counters.inc("dropped_too_large")
+            self._lose([key])
             return False
         with self._cond:
             if self._closed:
@@ -64,8 +79,10 @@ class BackgroundWriter:
             while self._queue and (
                 len(self._queue) >= self._max_items or self._queued_bytes + nbytes > self._max_bytes
             ):
-                _, dropped = self._queue.popitem(last=False)
+                lost, dropped = self._queue.popitem(last=False)
                 self._queued_bytes -= dropped.nbytes
+                if self._on_lost is not None:
+                    self._lost.append(lost)
                 self.counters.inc("dropped")
                 self._log.warning("drop", "ec_redis: write queue full; dropped the oldest write")
             self._queue[key] = _Job(host, nbytes)
@@ -73,6 +90,12 @@ class BackgroundWriter:
             self.counters.inc("submitted")
             self._cond.notify()
         return True
+
+    def _lose(self, keys: list[str]) -> None:
+        with self._cond:
+            if self._on_lost is not None and not self._closed:
+                self._lost.extend(keys)
+                self._cond.notify()
 
     def discard(self, key: str) -> None:
         """Forget a queued write of ``key`` (one already in flight still completes)."""
@@ -138,13 +161,19 @@ class BackgroundWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._lost and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                key, job = self._queue.popitem(last=False)
-                self._queued_bytes -= job.nbytes
-                self._in_flight[key] = job.host
+                lost = list(self._lost)
+                self._lost.clear()
+                if not lost:
+                    key, job = self._queue.popitem(last=False)
+                    self._queued_bytes -= job.nbytes
+                    self._in_flight[key] = job.host
+            if lost:
+                self._report_lost(lost)
+                continue
             try:
                 job.host.wait()  # the device->host copy, if any
                 ok = self._sink(key, job.host)
@@ -157,6 +186,19 @@ class BackgroundWriter:
                     if self._in_flight.get(key) is job.host:
                         del self._in_flight[key]
                     self._cond.notify_all()
+
+    def _report_lost(self, keys: list[str]) -> None:
+        """``on_lost`` for each key; after one that fails (Redis unwell), none: their leases
+        expire by themselves, and the writer goes back to writing."""
+        if self._on_lost is None:
+            return
+        for key in keys:
+            try:
+                if self._on_lost(key) is False:
+                    return
+            except Exception as exc:  # best effort: the lease expires by itself
+                self._log.warning("lost", "ec_redis: on_lost(%r) failed: %r", key, exc)
+                return
 
     def stats(self) -> dict[str, float]:
         depth, queued = self.depth()

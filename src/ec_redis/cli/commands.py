@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ec_redis.config import CacheConfig
-from ec_redis.errors import ECRedisError
+from ec_redis.errors import ConfigError, ECRedisError
 from ec_redis.units import format_bytes, parse_bytes
 
 
@@ -293,6 +293,8 @@ def bench_connector(args: argparse.Namespace) -> int:
         return _bench_scheduler(args)
     if args.visibility:
         return _bench_visibility(args)
+    if args.single_flight:
+        return _bench_single_flight(args)
     rows = _bench_hooks(args, args.quick, args.runs)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
@@ -317,6 +319,27 @@ def _bench_visibility(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
         print(visibility_bench.render(rows))
+    return 0
+
+
+def _bench_single_flight(args: argparse.Namespace) -> int:
+    from ec_redis.bench.workload import QUICK_ITEMS
+
+    if args.instances < 2 or args.encode_ms < 0:
+        raise ConfigError("--single-flight needs --instances >= 2 and --encode-ms >= 0")
+    _vllm_logs_to_stderr()
+    try:
+        from ec_redis.connector import single_flight_bench
+    except ImportError as exc:
+        raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
+    with _embedded_url(args) as url:
+        rows = single_flight_bench.run(
+            url, QUICK_ITEMS, args.runs, args.encode_ms, _err, instances=args.instances
+        )
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print(single_flight_bench.render(rows))
     return 0
 
 

@@ -131,7 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: save_caches -> has_cache_item latency, poll only vs push, next to a raw "
         "SET+GET of the same bytes (1.8 and 16 MiB items)",
     )
+    hooks.add_argument(
+        "--single-flight",
+        action="store_true",
+        help="instead: N ec_both instances get the same new item at once, single_flight on "
+        "vs off in one run: encodes, Redis commands, hold time and time to embedding per item "
+        "(1.8 and 16 MiB items)",
+    )
     hooks.add_argument("--steps", type=int, default=200, help="--scheduler: steps per size")
+    hooks.add_argument(
+        "--instances", type=int, default=3, help="--single-flight: instances (default 3)"
+    )
+    hooks.add_argument(
+        "--encode-ms",
+        type=float,
+        default=100.0,
+        help="--single-flight: what one encode costs (a sleep; default 100)",
+    )
     fp = command("fingerprint", "the weights fingerprint a model path or hub id gets", "none")
     fp.add_argument("model", help="a checkpoint folder or file, or a hub id (as given to vLLM)")
     fp.add_argument("--revision", help="the hub revision (default: main)")

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import redis
 import torch
 
-from ec_redis.breaker import Breakers, CircuitBreaker
+from ec_redis.breaker import CLOSED, Breakers, CircuitBreaker
 from ec_redis.codec import encode_parts
 from ec_redis.codec.format import new_write_id
 from ec_redis.keys import KeyBuilder
@@ -256,6 +256,7 @@ class RedisTier(Tier):
         except ValueError as exc:
             self.counters.inc("write_rejected")
             self._log.warning("encode", "ec_redis: not storing %r: %s", key, exc)
+            self.end_lease(key)  # never stored: whoever waits for it encodes it now
             return False
         head_key = self.keys.head(key)  # a bad id raises before taking a half-open probe
         started = time.perf_counter()
@@ -303,6 +304,21 @@ class RedisTier(Tier):
 
         ((_, done),) = self._per_node("release", [self.keys.head(key)], release, lambda _: False)
         return bool(done)
+
+    def end_lease(self, key: str) -> bool:
+        """Delete the single-flight lease of ``key``, whoever holds it: this process's write
+        of it will not land, and a waiter must not wait for it (at worst one more encode).
+        Best effort, and never a breaker's business: only while the entry's node is
+        healthy, and a failure is neither counted nor raised. False if not done."""
+        head_key = self.keys.head(key)
+        try:
+            ((node, _),) = self._nodes.split([head_key])
+            if self.breakers.get(node.address).state != CLOSED:
+                return False
+            self._on(node, lambda client: client.unlink(self.keys.lease_of(head_key)))
+        except Exception:  # best effort: the lease expires by itself
+            return False
+        return True
 
     def delete(self, key: str) -> None:
         """Delete the entry's head and the chunks it names, atomically."""
