@@ -272,3 +272,22 @@ def test_every_write_the_queue_drops_is_reported_once() -> None:
     finally:
         release.set()
         writer.close(2)
+
+
+def test_a_huge_value_under_a_lease_key_costs_that_claim_only(
+    open_cache: Callable[..., TieredCache], raw: redis.Redis
+) -> None:
+    """The claim answers with a prefix of a holder's value, never the whole: a 2 MiB value
+    planted there once failed the whole batch (a reply larger than the reader takes) and
+    opened the breaker."""
+    cache = open_cache()
+    cache.put("other", embedding(16, 128))
+    assert cache.flush(10)
+    head = cache.redis.keys.head("big")  # type: ignore[union-attr]
+    raw.set(KeyBuilder.lease_of(head), b"1" * (2 << 20) + b"6|tok", px=600000)
+    for _ in range(4):
+        mine = claim("me", 16, 2000, "big")
+        got = cache.get_many(["big", "other"], on_host=True, claim=mine)
+        assert got["other"] is not None and got["big"] is None
+        assert mine.results["big"] == Lease(False, -1, mine.results["big"].ttl_s)
+    assert cache.redis.breaker.state == 0  # type: ignore[union-attr]

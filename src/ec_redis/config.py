@@ -486,7 +486,7 @@ class ConnectorOptions:
             "2.0",
             "single_flight: the lease deadline, and the longest a request waits on another "
             "instance's lease; 0: derived from this instance's measured claim-to-stored time "
-            "(encode plus write; 3x its p90 within 0.25-5 s, 2 s until measured).",
+            "(encode plus write; 3x its p90 within 1-5 s, 2 s until measured).",
         ),
     )
 

@@ -272,20 +272,48 @@ class EngineDriver:
     ``async_scheduling``): schedule, execute, abort, update_from_output."""
 
     def __init__(
-        self, vllm_config: VllmConfig, shape: EngineShape, *, async_scheduling: bool = False
+        self,
+        vllm_config: VllmConfig,
+        shape: EngineShape,
+        *,
+        async_scheduling: bool = False,
+        own_worker: bool = False,
+        width: int | None = None,
+        encoder_only: bool = False,
     ) -> None:
+        """``own_worker``: the worker half is this driver's own, not vLLM's per-process
+        singleton, so several instances (each its own scheduler and worker half) run in one
+        process; it is installed as the singleton only while this driver's worker step runs.
+        ``width``: the encoder outputs' width (default the model's hidden size; give the
+        connector the same ``embed_width``). ``encoder_only``: the worker runs as vLLM's
+        runner does on an instance that is not a consumer (``ec_producer``, which vLLM makes
+        ``mm_encoder_only``): the encoder and the EC context only, no gather, no tokens."""
         from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, has_ec_transfer
 
-        assert not has_ec_transfer(), "another test left vLLM's worker EC connector behind"
+        if not own_worker:
+            assert not has_ec_transfer(), "another test left vLLM's worker EC connector behind"
         self.failures: list[Failure] = []
         self.stats = DriverStats()
         self.trace: list[tuple[object, ...]] = []
         self.alive = True
+        self.closed = False
         self.async_scheduling = async_scheduling
         self.scheduler = build_scheduler(vllm_config, shape, async_scheduling=async_scheduling)
-        ensure_ec_transfer_initialized(vllm_config)  # the worker half, as gpu_worker does
-        width = int(vllm_config.model_config.get_hidden_size())
-        self.worker = SimulatedWorker(width, self.failures, self.stats, self.trace)
+        self._own_worker: Any = None
+        if own_worker:
+            from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+            from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+            # Built as ensure_ec_transfer_initialized builds the singleton.
+            self._own_worker = ECConnectorFactory.create_connector(
+                config=vllm_config, role=ECConnectorRole.WORKER
+            )
+        else:
+            ensure_ec_transfer_initialized(vllm_config)  # the worker half, as gpu_worker does
+        width = width or int(vllm_config.model_config.get_hidden_size())
+        self.worker = SimulatedWorker(
+            width, self.failures, self.stats, self.trace, encoder_only=encoder_only
+        )
         self.observers: list[Callable[[str], None]] = []
         self.finish_reasons: dict[str, str] = {}  # request id -> vLLM's finish reason
         self._during: Callable[[str], None] | None = None
@@ -298,10 +326,25 @@ class EngineDriver:
 
     @property
     def worker_connector(self) -> Any:
-        """The worker half (vLLM's per-process singleton)."""
+        """The worker half (vLLM's per-process singleton, or this driver's own)."""
         from vllm.distributed.ec_transfer import get_ec_transfer
 
-        return get_ec_transfer()
+        return self._own_worker if self._own_worker is not None else get_ec_transfer()
+
+    @contextmanager
+    def _as_worker(self) -> Iterator[None]:
+        """With ``own_worker``: this driver's worker half is vLLM's singleton meanwhile."""
+        if self._own_worker is None:
+            yield
+            return
+        from vllm.distributed.ec_transfer import ec_transfer_state
+
+        before = ec_transfer_state._EC_CONNECTOR_AGENT
+        ec_transfer_state._EC_CONNECTOR_AGENT = self._own_worker
+        try:
+            yield
+        finally:
+            ec_transfer_state._EC_CONNECTOR_AGENT = before
 
     def add_request(self, request: Request) -> None:
         if not self.alive:
@@ -397,7 +440,7 @@ class EngineDriver:
         return scheduler_output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        with self._guard("worker.execute_model"):
+        with self._guard("worker.execute_model"), self._as_worker():
             model_output = self.worker.execute_model(scheduler_output)
         self._notify("worker.execute_model")
         self._meanwhile("after the worker's step")
@@ -449,13 +492,20 @@ class EngineDriver:
         return list(request.mm_features) if request is not None else []
 
     def close(self) -> None:
-        """Shut both halves down (vLLM: ``Scheduler.shutdown``, ``ensure_ec_transfer_shutdown``)."""
+        """Shut both halves down (vLLM: ``Scheduler.shutdown``, ``ensure_ec_transfer_shutdown``);
+        a second call does nothing."""
         from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
 
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.scheduler.shutdown()
         finally:
-            ensure_ec_transfer_shutdown()
+            if self._own_worker is not None:
+                self._own_worker.shutdown()
+            else:
+                ensure_ec_transfer_shutdown()
 
     def _notify(self, phase: str) -> None:
         for observer in self.observers:

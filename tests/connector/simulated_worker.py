@@ -137,6 +137,9 @@ class SimulatedWorker:
     encoder_cache: dict[str, torch.Tensor] = field(default_factory=dict)
     requests: dict[str, _RequestState] = field(default_factory=dict)
     step: int = 0
+    # vLLM's runner on an instance that is not a consumer (an ``mm_encoder_only`` encoder):
+    # the EC context and the encoder only, an output without tokens (``execute_model``).
+    encoder_only: bool = False
     # identifier -> (rows, the tensor object) already compared bit-exactly with the truth
     _verified: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
@@ -147,6 +150,8 @@ class SimulatedWorker:
         )
 
         self._update_states(scheduler_output)
+        if self.encoder_only:
+            return self._execute_encoder_only(scheduler_output)
         if not scheduler_output.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT  # V1 skips the EC context on empty steps
         before = dict(self.encoder_cache)
@@ -172,6 +177,24 @@ class SimulatedWorker:
             sampled_token_ids=sampled,
             ec_connector_output=ec_connector_output,
         )
+
+    def _execute_encoder_only(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """``GPUModelRunner.execute_model`` when the EC connector is not a consumer: the EC
+        context (also on an empty step) around the encoder, then an output that carries no
+        tokens and, as vLLM's, no ``ec_connector_output``; the scheduler finishes a request
+        of an ``mm_encoder_only`` instance once its prompt is consumed."""
+        from vllm.v1.outputs import make_empty_encoder_model_runner_output
+        from vllm.v1.worker.ec_connector_model_runner_mixin import (
+            ECConnectorModelRunnerMixin as Mixin,
+        )
+
+        with Mixin.maybe_get_ec_connector_output(
+            scheduler_output, encoder_cache=self.encoder_cache
+        ):
+            encoded = self._execute_mm_encoder(scheduler_output)
+        self.trace.append(("exec", self.step, (), tuple(encoded)))
+        output: ModelRunnerOutput = make_empty_encoder_model_runner_output(scheduler_output)
+        return output
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """``GPUModelRunner._update_states``: forget finished requests, drop freed encoder

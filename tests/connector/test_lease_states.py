@@ -179,3 +179,108 @@ def test_a_pure_consumer_never_claims() -> None:
     a, _, cache, _ = fleet("ec_consumer")
     look(a, cache, request("ra", ("c", 16)))
     assert cache.leases == {}
+
+
+# -- findings of the adversarial review (each failed before its fix) -----------------------
+
+
+def test_cross_claims_never_stall_either_instance() -> None:
+    """A holds X and finds Y held by B; B holds Y and finds X held by A (Cluster asks each
+    node in turn, so two instances' claims interleave). Neither may wait: a request that
+    holds a lease it must fulfil encodes everything it lacks."""
+    from ec_redis.tiers.lease import claim_value
+
+    a, b, cache, clock = fleet(lease_ttl_s=2.0)
+    ra = request("ra", ("X", 16), ("Y", 16))
+    rb = request("rb", ("Y", 16), ("X", 16))
+    cache.leases["Y"] = (claim_value(16, b._token), clock.now + 2.0)  # B's claim of Y won
+    assert look(a, cache, ra) is True  # holds X: encodes X and Y, waits on nothing
+    cache.leases.pop("Y")
+    cache.leases["Y"] = (claim_value(16, b._token), clock.now + 2.0)
+    assert look(b, cache, rb) is True  # holds Y, finds X held by A: encodes both
+    assert a.has_cache_item("X") is False and a.has_cache_item("Y") is False
+    assert counter(a, "lease_waits") == 0 == counter(b, "lease_waits")
+
+
+def test_a_pure_producers_takeover_is_counted_and_the_item_noted_unpublished() -> None:
+    a, b, cache, clock = fleet("ec_producer", lease_ttl_s=0.2, producer_check_wait_s=0.01)
+    ra, rb = request("ra", ("slow", 16)), request("rb", ("slow", 16))
+    assert look(a, cache, ra) is True
+    assert look(b, cache, rb) is False
+    clock.now += 0.3  # past the deadline, and due for another look
+    assert b.ensure_cache_available(rb, 0) is True
+    assert b.has_cache_item("slow") is False
+    assert counter(b, "lease_takeovers") == 1
+    assert "slow" in b._gate.unpublished.get("rb", {})
+
+
+def test_a_media_less_request_never_claims() -> None:
+    """It cannot encode: a claim would make every other instance wait for nothing."""
+    a, _, cache, _ = fleet(lease_ttl_s=30.0)
+    req = request("ra", ("meta", 16), media=False)
+    generation = a._stager.generation
+    assert a.ensure_cache_available(req, 0) is False
+    cache.open()
+    wait_for(lambda: a._stager.generation > generation, 10, "the look to return")
+    assert cache.leases == {}
+
+
+def test_a_lease_is_released_with_the_value_it_was_claimed_with() -> None:
+    """Another request's look at the same id with other rows rewrites the entry's rows; the
+    release must still name this claim's own value, or the lease would stay."""
+    a, _, cache, _ = fleet(lease_ttl_s=30.0)
+    first = request("r1", ("same", 16))
+    assert look(a, cache, first) is True
+    entry = a._stager.get("same")
+    entry.rows = 24  # what a later look for a 24-row request would leave there
+    a.request_finished(first)
+    wait_for(lambda: "same" not in cache.leases, 10, "the lease to be released")
+
+
+def test_an_encode_saved_is_counted_once_however_many_requests_load_it() -> None:
+    a, b, cache, clock = fleet(lease_ttl_s=2.0)
+    assert look(a, cache, request("ra", ("pop", 16))) is True
+    r1, r2 = request("r1", ("pop", 16)), request("r2", ("pop", 16))
+    assert look(b, cache, r1) is False
+    assert b.ensure_cache_available(r2, 0) is False
+    cache.stored["pop"] = embedding(16, WIDTH)
+    clock.now += 0.05
+    assert b.ensure_cache_available(r1, 0) is False
+    cache.open()
+    wait_for(lambda: b._stager.in_flight == 0, 10, "the look to return")
+    for req in (r1, r2):
+        assert b.ensure_cache_available(req, 0) is True and b.has_cache_item("pop")
+        b.update_state_after_alloc(req, 0)
+        b.build_connector_meta(None)
+    assert counter(b, "lease_encodes_saved") == 1
+
+
+def test_a_claimant_still_waits_for_an_item_it_cannot_encode() -> None:
+    """Holding X's lease, the request waits on no lease (no cycles), except for an item it
+    has no media for: failing the request would be worse than a bounded wait."""
+    from ec_redis.tiers.lease import claim_value
+
+    a, b, cache, clock = fleet(lease_ttl_s=2.0)
+    ra = request("ra", ("X", 16), ("Y", 16))
+    ra.mm_features[1].data = None  # Y: metadata only, must be loaded
+    cache.leases["Y"] = (claim_value(16, b._token), clock.now + 2.0)  # B encodes Y
+    assert look(a, cache, ra) is False  # held for Y, not failed
+    assert a.take_unavailable_requests() == set() and counter(a, "lease_waits") == 1
+
+
+def test_a_pure_producer_checks_again_after_an_expired_lease() -> None:
+    """A new request for an item whose lease ran out (a takeover here) still gets its
+    "already published?" look: the late write may have landed."""
+    a, b, cache, clock = fleet("ec_producer", lease_ttl_s=0.2, producer_check_wait_s=0.5)
+    ra, rb = request("ra", ("slow", 16)), request("rb", ("slow", 16))
+    assert look(a, cache, ra) is True
+    assert look(b, cache, rb) is False
+    clock.now += 0.6  # past the lease and rb's check deadline: rb takes over
+    assert b.ensure_cache_available(rb, 0) is True
+    cache.stored["slow"] = embedding(16, WIDTH)  # a's late write landed; no announcement
+    clock.now += 0.05
+    rc = request("rc", ("slow", 16))
+    assert b.ensure_cache_available(rc, 0) is False  # its check is on its way
+    cache.open()
+    wait_for(lambda: b._stager.in_flight == 0, 10, "the check to return")
+    assert b.ensure_cache_available(rc, 0) is True and b.has_cache_item("slow") is True

@@ -67,13 +67,15 @@ class GatedCache:
                 continue
             now, ttl_ms = self.now(), claim.ttl_ms
             held = self.leases.get(item)
-            if held is None or held[1] <= now:
+            if (held is None or held[1] <= now) and item in claim.look_only:
+                claim.settle(item, [0])
+            elif held is None or held[1] <= now:
                 self.leases[item] = (claim.value(item), now + ttl_ms / 1000)
-                claim.settle(item, [1, ttl_ms])
+                claim.settle(item, [1, ttl_ms, 1])
             elif held[0] == claim.value(item):
-                claim.settle(item, [1, int((held[1] - now) * 1000)])
+                claim.settle(item, [1, int((held[1] - now) * 1000), 0])
             else:
-                claim.settle(item, [2, held[0], int((held[1] - now) * 1000)])
+                claim.settle(item, [2, held[0][:96], int((held[1] - now) * 1000)])
 
     def release_lease(self, item: str, value: bytes) -> None:
         self.released.append((item, value))

@@ -211,8 +211,11 @@ def test_every_counter_on_metrics_tells_what_happened_exactly_once(load_run: Loa
     # Encoder: what it saved, and what reached Redis by Redis's own account.
     assert ec(encoder, "saved_items_total") == images
     assert ec(encoder, "saved_bytes_total") == images * ITEM_BYTES
-    assert load_run.stored_keys == images  # one self-describing entry per image
-    assert load_run.set_calls == images  # each written once
+    assert load_run.stored_keys == images  # one self-describing entry per image, no lease left
+    # Each written once, and claimed once (single flight: the claim script's SET of the
+    # lease, which the write then deletes).
+    assert load_run.set_calls == 2 * images
+    assert ec(encoder, "lease_claims_total") == images
     assert load_run.publish_calls == images  # and announced once
     assert ec(encoder, "redis_written_bytes_total") == load_run.stored_bytes
     assert load_run.encoder_after.ec("write_queue_depth") == 0

@@ -40,3 +40,10 @@ def measure(
         fn()
         samples.append(time.perf_counter() - start)
     return Timing(tuple(samples))
+
+
+def percentile(values: list[float], pct: int) -> float:
+    """The ``pct``-th percentile of ``values`` (inclusive method; one value is itself)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]

@@ -329,7 +329,7 @@ def _bench_single_flight(args: argparse.Namespace) -> int:
         raise ConfigError("--single-flight needs --instances >= 2 and --encode-ms >= 0")
     _vllm_logs_to_stderr()
     try:
-        from ec_redis.connector import single_flight_bench
+        from ec_redis.bench import single_flight as single_flight_bench
     except ImportError as exc:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
     with _embedded_url(args) as url:

@@ -56,6 +56,7 @@ class RequestRecord:
     held_at: int = -1  # stager generation when it was last held back
     waiting_since: float | None = None  # first held in this episode (None: let through)
     next_look: float = math.inf  # when a held request must be looked at again anyway
+    claimant: bool = False  # holds a lease of one of its items (single flight): never waits
 
 
 class RequestGate:
@@ -185,6 +186,7 @@ class RequestGate:
         rows = rows_by_item(request)
         look: list[tuple[str, str, int]] = []
         identifier_of: dict[str, str] = {}  # cache id -> identifier (one salt per request)
+        record.claimant = self._single_flight and self._holds_a_lease(needed)
         for index, item, key, modality in needed:
             identifier_of[key] = item
             entry = self._stager.get(key)
@@ -193,7 +195,7 @@ class RequestGate:
                 record.wanted.add(key)
             state = None if entry is None else entry.state
             if entry is not None and state in (ABSENT, FETCHING):
-                until = self._lease_deadline(entry, record, rows[item], now)
+                until = self._lease_deadline(entry, record, rows[item], now, request, item)
                 if until and state == ABSENT and now < until:  # its holder encodes it
                     waiting.add(item)
                     due = entry.since + self._options.recheck_s
@@ -242,7 +244,7 @@ class RequestGate:
             elif state == STAGED and entry is not None and entry.found is not None:
                 # Found what another instance's lease stood for: held for it, as a pure
                 # producer's check counts it (``lease_waits``; the load is then saved).
-                self._lease_deadline(entry, record, rows[item], now)
+                self._lease_deadline(entry, record, rows[item], now, request, item)
                 found = entry.found
                 if not found.loadable:
                     blocked[item] = "refused"
@@ -255,7 +257,7 @@ class RequestGate:
             else:  # REFUSED: wrong dtype or width
                 blocked[item] = "refused"
         if look:
-            refused = self._start(look, request_id, record, rows, identifier_of)
+            refused = self._start(look, request_id, record, rows, identifier_of, request)
             for item in {identifier_of[key] for key in refused}:  # staging is full now
                 if self._must_deliver(request, item) and now < wait_deadline:
                     next_look = min(next_look, now + self._options.recheck_s)
@@ -313,11 +315,32 @@ class RequestGate:
         absent: set[str] = set()
         rows = rows_by_item(request)
         identifier_of: dict[str, str] = {}
+        record.claimant = self._single_flight and self._holds_a_lease(needed)
         for _, item, key, modality in needed:
             identifier_of[key] = item
             entry = self._stager.get(key)
-            until = 0.0 if entry is None else self._lease_deadline(entry, record, rows[item], now)
+            until = (
+                0.0
+                if entry is None
+                else self._lease_deadline(entry, record, rows[item], now, request, item)
+            )
             waits = until > now and entry is not None and entry.state in (ABSENT, FETCHING)
+            if (
+                until
+                and not waits
+                and not checking
+                and entry is not None
+                and entry.state
+                in (
+                    ABSENT,
+                    FETCHING,
+                )
+            ):
+                # The holder's deadline passed, and so did producer_check_wait_s: encoded here
+                # (while checking, a look as without single flight may still find it).
+                self._took_over(entry)
+                absent.add(item)
+                continue
             if entry is None or (
                 entry.state == ABSENT and now >= entry.since + self._options.recheck_s
             ):
@@ -342,7 +365,7 @@ class RequestGate:
                     self._took_over(entry)
                 absent.add(item)
         if look:
-            refused = set(self._start(look, request_id, record, rows, identifier_of))
+            refused = set(self._start(look, request_id, record, rows, identifier_of, request))
             if {key for key, _, _ in look} - refused:
                 in_flight = True  # something is on its way (started or joined)
         if checking and in_flight:
@@ -354,7 +377,13 @@ class RequestGate:
         return True, math.inf
 
     def _lease_deadline(
-        self, entry: Entry, record: RequestRecord, item_rows: set[int], now: float
+        self,
+        entry: Entry,
+        record: RequestRecord,
+        item_rows: set[int],
+        now: float,
+        request: Any = None,
+        item: str = "",
     ) -> float:
         """Until when the request may wait for ``entry``'s item because another instance
         holds its lease (0: it may not): only for a lease of the request's own rows (a
@@ -363,12 +392,27 @@ class RequestGate:
         lease = entry.lease
         if not self._single_flight or lease is None or lease.won or item_rows != {lease.rows}:
             return 0.0
+        if record.claimant and not (request is not None and self._must_deliver(request, item)):
+            # It holds a lease it must fulfil: waiting could be a cycle (an item it cannot
+            # encode, it waits for all the same: failing it would be worse than a wait).
+            return 0.0
         start = now if record.waiting_since is None else record.waiting_since
         until = min(entry.lease_until, start + self._lease_wait_s)
         if not entry.waited and now < until:
             entry.waited = True
             self.counters.inc("lease_waits")
         return until
+
+    def _holds_a_lease(self, needed: Needed) -> bool:
+        """Whether one of the request's needed items is leased to this instance and not
+        found yet: the request then waits on no other instance's lease (A holding X waiting
+        for B's Y while B holds Y waiting for A's X would stall both to the deadline)."""
+        for _, _, key, _ in needed:
+            entry = self._stager.get(key)
+            lease = None if entry is None else entry.lease
+            if lease is not None and lease.won and entry is not None and entry.state != STAGED:
+                return True
+        return False
 
     def _took_over(self, entry: Entry) -> None:
         if not entry.took_over:
@@ -382,19 +426,25 @@ class RequestGate:
         record: RequestRecord,
         rows: dict[str, set[int]] | None = None,
         identifier_of: dict[str, str] | None = None,
+        request: Any = None,
     ) -> list[str]:
         """Look up ``look`` (one look per cache id) for the request; the cache ids refused
         for lack of room. ``rows`` (by identifier) and ``identifier_of`` (cache id ->
         identifier) give the rows its claims carry: an id of one size in this request."""
         look = _one_per_key(look)
         claim_rows: dict[str, int] | None = None
+        look_only: set[str] = set()
         if self._single_flight and rows is not None and identifier_of is not None:
             claim_rows = {}
             for key, _, _ in look:
-                sizes = rows.get(identifier_of.get(key, ""), set())
-                if len(sizes) == 1:
+                item = identifier_of.get(key, "")
+                sizes = rows.get(item, set())
+                if len(sizes) == 1:  # one size: claimed, or asked who holds it
                     claim_rows[key] = next(iter(sizes))
-        _, refused = self._stager.fetch(look, request_id, claim_rows)
+                    # What this instance cannot encode (no media) it never claims.
+                    if request is not None and self._must_deliver(request, item):
+                        look_only.add(key)
+        _, refused = self._stager.fetch(look, request_id, claim_rows, look_only)
         record.wanted.update(key for key, _, _ in look if key not in refused)
         return refused
 

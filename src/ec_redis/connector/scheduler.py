@@ -52,24 +52,18 @@ from ec_redis.connector.staging import Found, Stager
 from ec_redis.connector.transport import InlineTransport
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
-from ec_redis.tiers.lease import Claim, Lease, claim_value, new_token
+from ec_redis.tiers.lease import LEASE_COUNTERS, Claim, Lease, claim_value, new_token
 
 MAX_OBSERVATIONS = 1024
 HOUSEKEEPING_S = 1.0
 # Single flight, auto deadline (lease_ttl_s 0): 3x the p90 of the last measured claim-to-stored
 # times, within these bounds; the default until something was measured.
-LEASE_AUTO_S = (0.25, 2.0, 5.0)  # (floor, default, ceiling)
+LEASE_AUTO_S = (1.0, 2.0, 5.0)  # (floor, default, ceiling); the claim-to-stored time includes
+# the claimant's queueing in vLLM, which a burst multiplies: a short deadline there is a
+# duplicate encode (a deadline costs waiters only when the holder never delivers)
 LEASE_SAMPLES = 64
-MAX_CLAIMS = 4096  # claims remembered for measuring (the oldest go first)
-LEASE_COUNTERS = (
-    "lease_claims",
-    "lease_waits",
-    "lease_loads",
-    "lease_skips",
-    "lease_takeovers",
-    "lease_encodes_saved",
-    "lease_releases",
-)
+MAX_CLAIMS = 4096  # claims remembered for measuring (the oldest go first) ...
+CLAIM_MEMORY_S = 2 * LEASE_AUTO_S[2]  # ... and for no longer than two longest deadlines
 
 
 class LeaseClock:
@@ -95,15 +89,19 @@ class LeaseClock:
         p90 = samples[min(len(samples) - 1, int(len(samples) * 0.9))]
         return int(min(max(3 * p90, floor), ceiling) * 1000)
 
-    def claimed(self, item: str) -> bool:
-        """Note a claim won for ``item``; False if it was already held (claimed again)."""
+    def claimed(self, item: str) -> None:
+        """Note a lease just set for ``item``; claims never stored (their lease expired)
+        are forgotten after ``CLAIM_MEMORY_S`` or beyond ``MAX_CLAIMS``."""
+        now = self._clock()
         with self._lock:
-            if item in self._claimed:
-                return False
-            self._claimed[item] = self._clock()
-            while len(self._claimed) > MAX_CLAIMS:
+            while self._claimed and (
+                len(self._claimed) >= MAX_CLAIMS
+                or next(iter(self._claimed.values())) < now - CLAIM_MEMORY_S
+            ):
                 self._claimed.popitem(last=False)
-            return True
+            # A claim it still remembers keeps its time (its lease expired, and this claim
+            # takes over from itself): a slow encode is not measured short.
+            self._claimed.setdefault(item, now)
 
     def stored(self, item: str) -> None:
         """A writer announced ``item``: if this instance claimed it, that is one sample."""
@@ -204,7 +202,10 @@ class SchedulerSide:
             for item, count in self._stager.rows_of(items).items()
             if self._check.reserve(self._stager.modality_of(item), count) < self._claim_limit
         }
-        return Claim(self._token, self._lease_clock.ttl_ms(), rows) if rows else None
+        if not rows:
+            return None
+        looks = self._stager.looks_only(rows)
+        return Claim(self._token, self._lease_clock.ttl_ms(), rows, look_only=looks)
 
     def _fetch_tensors(self, items: list[str]) -> dict[str, Found | Lease | None]:
         # Host tensors that own their memory: staged bytes may cross to worker processes.
@@ -240,7 +241,8 @@ class SchedulerSide:
                     self._cache.release_lease(item, claim.value(item))
                 continue
             out[item] = lease
-            if lease.won and self._lease_clock.claimed(item):
+            if lease.won and lease.fresh:  # not one it held already (a look again)
+                self._lease_clock.claimed(item)
                 self.counters.inc("lease_claims")
         return out
 
@@ -338,6 +340,8 @@ class SchedulerSide:
         key = cache_id(item, salt) if self._single_flight else None
         entry = None if key is None else self._stager.get(key)
         if entry is not None and entry.waited:
+            entry.waited = False  # one encode saved per wait, however many requests load it
+            entry.lease = None  # its holder's entry is here: no later request waited on it
             self.counters.inc(counter)
             self.counters.inc("lease_encodes_saved")
 

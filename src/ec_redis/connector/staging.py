@@ -89,6 +89,7 @@ class Entry:
     found: Found | None = None
     wanted_by: set[str] = field(default_factory=set)
     rows: int = -1  # embedding rows of the request that started its look (-1: not one size)
+    look_only: bool = False  # that request cannot encode it: its look never claims
     # Single flight: the last claim's outcome while ABSENT, and, for another instance's
     # lease, the earliest deadline seen (a later holder never extends a wait).
     lease: Lease | None = None
@@ -162,11 +163,14 @@ class Stager:
         wanted: Iterable[tuple[str, str, int]],
         request_id: str,
         rows: Mapping[str, int] | None = None,
+        look_only: Iterable[str] = (),
     ) -> tuple[list[str], list[str]]:
         """Start one batched lookup for ``(item, modality, reserve_bytes)`` triples: new items
         and ABSENT ones due for another look. Returns ``(started, refused)``: what is now in
         flight for ``request_id``, and what found no room (the caller encodes those).
-        ``rows``: the embedding rows the request has for an item, for its claim."""
+        ``rows``: the embedding rows the request has for an item, for its claim;
+        ``look_only``: items it cannot encode, whose looks only ask for a lease's holder."""
+        look_only = set(look_only)
         now = self._clock()
         started: list[str] = []
         refused: list[str] = []
@@ -196,6 +200,7 @@ class Stager:
                 entry.wanted_by.add(request_id)
                 if rows is not None and item in rows:
                     entry.rows = rows[item]
+                    entry.look_only = item in look_only
                 self.reserved_bytes += reserve
                 started.append(item)
             if started:
@@ -248,6 +253,12 @@ class Stager:
             if entry is not None and entry.rows >= 0:
                 out[item] = entry.rows
         return out
+
+    def looks_only(self, items: Iterable[str]) -> frozenset[str]:
+        """The entries among ``items`` whose look must not claim."""
+        return frozenset(
+            item for item in items if (entry := self._entries.get(item)) and entry.look_only
+        )
 
     def modality_of(self, item: str) -> str:
         entry = self._entries.get(item)
@@ -431,7 +442,7 @@ class Stager:
         if lease is None or not lease.won or entry.encoding or self._release is None:
             return
         entry.lease = None
-        self._release(entry.item, entry.rows)
+        self._release(entry.item, lease.rows)  # the rows it claimed with: its own value
 
     def wait(self, generation: int, deadline: float) -> None:
         """Sleep until a lookup returns after ``generation`` or ``deadline`` (a ``clock()``

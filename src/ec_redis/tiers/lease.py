@@ -23,18 +23,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# CLAIM. KEYS: the entry's head, its lease. ARGV: the value to set, the deadline in ms.
-# Replies: [0] the head exists (no claim), [1, ms left] claimed (or ours already),
-# [2, value, ms left] somebody else's. A lease key of another type answers with its error.
-CLAIM_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {0} end
+# CLAIM. KEYS: the entry's head, its lease. ARGV: the value to set, the deadline in ms, "1"
+# to only look (an item the claimant could not encode: it may wait, never claim).
+# Replies: [0] the head exists or, looking only, no lease (no claim), [1, ms left, 1] claimed
+# now, [1, ms left, 0] ours
+# already, [2, value's first VALUE_PREFIX bytes, ms left] somebody else's (never the whole
+# of a value planted there: a reply is read into a bounded buffer). A lease key of another
+# type answers with its error.
+VALUE_PREFIX = 96
+CLAIM_SCRIPT = f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return {{0}} end
 local held = redis.call('GET', KEYS[2])
 if not held then
+  if ARGV[3] == '1' then return {{0}} end
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-  return {1, tonumber(ARGV[2])}
+  return {{1, tonumber(ARGV[2]), 1}}
 end
-if held == ARGV[1] then return {1, redis.call('PTTL', KEYS[2])} end
-return {2, held, redis.call('PTTL', KEYS[2])}
+if held == ARGV[1] then return {{1, redis.call('PTTL', KEYS[2]), 0}} end
+return {{2, string.sub(held, 1, {VALUE_PREFIX}), redis.call('PTTL', KEYS[2])}}
 """
 
 # RELEASE. KEYS: the lease. ARGV: the value it was claimed with. Deletes only one's own.
@@ -44,6 +50,16 @@ return 0
 """
 
 NO_CLAIM, CLAIMED, HELD = 0, 1, 2
+# What the connector counts of its leases (``connector/stats.py`` says what each means).
+LEASE_COUNTERS = (
+    "lease_claims",
+    "lease_waits",
+    "lease_loads",
+    "lease_skips",
+    "lease_takeovers",
+    "lease_encodes_saved",
+    "lease_releases",
+)
 
 
 def new_token(producer_id: str = "") -> str:
@@ -59,12 +75,14 @@ def claim_value(rows: int, token: str) -> bytes:
 
 @dataclass(frozen=True)
 class Lease:
-    """What a claim found: ``won`` (this process encodes), or another holder's ``rows``
+    """What a claim found: ``won`` (this process encodes; ``rows``: its own claim's rows,
+    ``fresh``: set by this claim, not one it held already), or another holder's ``rows``
     (-1: unreadable) and the time it has left (``ttl_s``)."""
 
     won: bool
     rows: int
     ttl_s: float
+    fresh: bool = False
 
 
 @dataclass
@@ -78,6 +96,7 @@ class Claim:
     ttl_ms: int
     rows: Mapping[str, int]
     results: dict[str, Lease] = field(default_factory=dict)
+    look_only: frozenset[str] = frozenset()  # items whose holder is asked for, never claimed
 
     def value(self, item: str) -> bytes:
         return claim_value(self.rows[item], self.token)
@@ -90,8 +109,18 @@ class Claim:
         for item, lease_key, head_key in zip(items, lease_keys, head_keys, strict=True):
             if item in self.rows:
                 chosen.append(item)
+                peek = "1" if item in self.look_only else "0"
                 commands.append(
-                    ("EVAL", CLAIM_SCRIPT, 2, head_key, lease_key, self.value(item), self.ttl_ms)
+                    (
+                        "EVAL",
+                        CLAIM_SCRIPT,
+                        2,
+                        head_key,
+                        lease_key,
+                        self.value(item),
+                        self.ttl_ms,
+                        peek,
+                    )
                 )
         return chosen, commands
 
@@ -107,8 +136,9 @@ def parse(reply: Any, own: bytes, ttl_ms: int) -> Lease | None:
     if isinstance(reply, Exception) or not isinstance(reply, (list, tuple)) or not reply:
         return None
     kind = reply[0]
-    if kind == CLAIMED and len(reply) == 2:
-        return Lease(True, _rows(own), max(_ms(reply[1], ttl_ms), 0) / 1000)
+    if kind == CLAIMED and len(reply) == 3:
+        left = max(_ms(reply[1], ttl_ms), 0) / 1000
+        return Lease(True, _rows(own), left, fresh=reply[2] == 1)
     if kind == HELD and len(reply) == 3:
         left = _ms(reply[2], ttl_ms)
         if left == -2:  # expired between GET and PTTL: nobody holds it now

@@ -30,7 +30,6 @@ p50 / p99 over every (instance, item) pair, and the lease counters.
 from __future__ import annotations
 
 import copy
-import statistics
 import tempfile
 import threading
 import time
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ec_redis.bench.timing import percentile
 from ec_redis.bench.workload import Item, activation_like
 from ec_redis.connector.bench import IDLE_STEP, engine_config, vllm_request
 
@@ -309,10 +309,10 @@ def _one_size(
                 set_per_item=counted["set"] / runs if counted else None,
                 scripts_per_item=counted["scripts"] / runs if counted else None,
                 mib_in_per_item=counted["bytes_in"] / runs / 2**20 if counted else None,
-                held_p50_ms=_pct(held, 50) * 1e3,
-                held_p99_ms=_pct(held, 99) * 1e3,
-                ready_p50_ms=_pct(ready, 50) * 1e3,
-                ready_p99_ms=_pct(ready, 99) * 1e3,
+                held_p50_ms=percentile(held, 50) * 1e3,
+                held_p99_ms=percentile(held, 99) * 1e3,
+                ready_p50_ms=percentile(ready, 50) * 1e3,
+                ready_p99_ms=percentile(ready, 99) * 1e3,
                 leases=leases,
             )
         )
@@ -325,12 +325,6 @@ def _leases(fleet: list[Instance]) -> dict[str, int]:
         for name, value in instance.leases().items():
             out[name] += value
     return out
-
-
-def _pct(values: list[float], pct: int) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]
 
 
 def render(rows: list[SingleFlightRow]) -> str:
