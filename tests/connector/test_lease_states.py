@@ -284,3 +284,21 @@ def test_a_pure_producer_checks_again_after_an_expired_lease() -> None:
     cache.open()
     wait_for(lambda: b._stager.in_flight == 0, 10, "the check to return")
     assert b.ensure_cache_available(rc, 0) is True and b.has_cache_item("slow") is True
+
+
+@pytest.mark.parametrize("role", ["ec_producer", "ec_both"])
+def test_an_announcement_is_looked_up_only_by_an_instance_waiting_on_its_lease(role: str) -> None:
+    """The encoder's own write announced while its request still wants the entry: no look
+    (one head check per request, as without single flight); a waiter looks at once."""
+    a, b, cache, _ = fleet(role, lease_ttl_s=2.0, recheck_s=60)
+    ra, rb = request("ra", ("mine", 16)), request("rb", ("mine", 16))
+    assert look(a, cache, ra) is True  # a claimed it and encodes it
+    assert look(b, cache, rb) is False  # b waits on a's lease
+    cache.stored["mine"] = embedding(16, WIDTH)
+    looks = len(cache.lookups)
+    assert a._on_stored("mine") is False  # a's own write: nothing to look for
+    assert b._on_stored("mine") is True  # b waits for it: looks now, not at its recheck
+    cache.open()
+    wait_for(lambda: b._stager.in_flight == 0, 10, "b's look")
+    assert len(cache.lookups) == looks + 1
+    assert b.ensure_cache_available(rb, 0) is True and b.has_cache_item("mine") is True
