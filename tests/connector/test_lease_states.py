@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
-from ec_redis.config import ConnectorOptions
 from tests.conftest import embedding, wait_for
+from tests.connector import test_scheduler_states as states
 from tests.connector.conftest import request
 from tests.connector.test_promises import Clock, counter
 from tests.connector.test_scheduler_states import WIDTH, GatedCache
@@ -22,18 +21,8 @@ pytestmark = pytest.mark.vllm
 
 
 def instance(cache: GatedCache, clock: Clock, role: str = "ec_both", **options: Any) -> Any:
-    from ec_redis.connector.checks import TensorCheck
-    from ec_redis.connector.scheduler import SchedulerSide
-
-    defaults: dict[str, Any] = {"consumer_wait_s": 0.0, "recheck_s": 0.01, "lookup_wait_s": 0}
-    return SchedulerSide(
-        cache,  # type: ignore[arg-type]
-        ConnectorOptions(**{**defaults, **options}),
-        TensorCheck(torch.bfloat16, lambda modality: WIDTH, WIDTH),
-        is_producer=role in ("ec_producer", "ec_both"),
-        is_consumer=role in ("ec_consumer", "ec_both"),
-        clock=clock,
-    )
+    side, _ = states.make_side(role, None, clock, cache, **{"recheck_s": 0.01, **options})
+    return side
 
 
 def fleet(role: str = "ec_both", **options: Any) -> tuple[Any, Any, GatedCache, Clock]:

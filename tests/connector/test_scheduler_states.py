@@ -95,12 +95,18 @@ class GatedCache:
 
 
 def make_side(
-    role: str = "ec_consumer", transport: Any = None, clock: Any = None, **options: Any
+    role: str = "ec_consumer",
+    transport: Any = None,
+    clock: Any = None,
+    cache: GatedCache | None = None,
+    **options: Any,
 ) -> tuple[Any, GatedCache]:
+    """A scheduler half over ``cache`` (a new one by default; single-flight tests give
+    several halves one cache, as instances share one Redis)."""
     from ec_redis.connector.checks import TensorCheck
     from ec_redis.connector.scheduler import SchedulerSide
 
-    cache = GatedCache()
+    cache = cache or GatedCache()
     defaults: dict[str, Any] = {"consumer_wait_s": 0.0, "recheck_s": 0.001, "lookup_wait_s": 0}
     side = SchedulerSide(
         cache,  # type: ignore[arg-type]

@@ -324,18 +324,9 @@ class RequestGate:
                 if entry is None
                 else self._lease_deadline(entry, record, rows[item], now, request, item)
             )
-            waits = until > now and entry is not None and entry.state in (ABSENT, FETCHING)
-            if (
-                until
-                and not waits
-                and not checking
-                and entry is not None
-                and entry.state
-                in (
-                    ABSENT,
-                    FETCHING,
-                )
-            ):
+            unsettled = entry is not None and entry.state in (ABSENT, FETCHING)
+            waits = unsettled and until > now
+            if entry is not None and unsettled and until and not waits and not checking:
                 # The holder's deadline passed, and so did producer_check_wait_s: encoded here
                 # (while checking, a look as without single flight may still find it).
                 self._took_over(entry)
@@ -382,8 +373,8 @@ class RequestGate:
         record: RequestRecord,
         item_rows: set[int],
         now: float,
-        request: Any = None,
-        item: str = "",
+        request: Any,
+        item: str,
     ) -> float:
         """Until when the request may wait for ``entry``'s item because another instance
         holds its lease (0: it may not): only for a lease of the request's own rows (a
@@ -392,7 +383,7 @@ class RequestGate:
         lease = entry.lease
         if not self._single_flight or lease is None or lease.won or item_rows != {lease.rows}:
             return 0.0
-        if record.claimant and not (request is not None and self._must_deliver(request, item)):
+        if record.claimant and not self._must_deliver(request, item):
             # It holds a lease it must fulfil: waiting could be a cycle (an item it cannot
             # encode, it waits for all the same: failing it would be worse than a wait).
             return 0.0
@@ -424,9 +415,9 @@ class RequestGate:
         look: list[tuple[str, str, int]],
         request_id: str,
         record: RequestRecord,
-        rows: dict[str, set[int]] | None = None,
-        identifier_of: dict[str, str] | None = None,
-        request: Any = None,
+        rows: dict[str, set[int]],
+        identifier_of: dict[str, str],
+        request: Any,
     ) -> list[str]:
         """Look up ``look`` (one look per cache id) for the request; the cache ids refused
         for lack of room. ``rows`` (by identifier) and ``identifier_of`` (cache id ->
@@ -434,15 +425,14 @@ class RequestGate:
         look = _one_per_key(look)
         claim_rows: dict[str, int] | None = None
         look_only: set[str] = set()
-        if self._single_flight and rows is not None and identifier_of is not None:
+        if self._single_flight:
             claim_rows = {}
             for key, _, _ in look:
-                item = identifier_of.get(key, "")
-                sizes = rows.get(item, set())
-                if len(sizes) == 1:  # one size: claimed, or asked who holds it
-                    claim_rows[key] = next(iter(sizes))
+                item = identifier_of[key]
+                if len(rows[item]) == 1:  # one size: claimed, or asked who holds it
+                    claim_rows[key] = next(iter(rows[item]))
                     # What this instance cannot encode (no media) it never claims.
-                    if request is not None and self._must_deliver(request, item):
+                    if self._must_deliver(request, item):
                         look_only.add(key)
         _, refused = self._stager.fetch(look, request_id, claim_rows, look_only)
         record.wanted.update(key for key, _, _ in look if key not in refused)

@@ -204,14 +204,15 @@ class SchedulerSide:
     def _claim(self, items: list[str]) -> Claim | None:
         if not self._single_flight:
             return None
-        rows = {
-            item: count
-            for item, count in self._stager.rows_of(items).items()
-            if self._check.reserve(self._stager.modality_of(item), count) < self._claim_limit
+        entries = {
+            item: entry
+            for item, entry in self._stager.claims(items).items()
+            if self._check.reserve(entry.modality, entry.rows) < self._claim_limit
         }
-        if not rows:
+        if not entries:
             return None
-        looks = self._stager.looks_only(rows)
+        rows = {item: entry.rows for item, entry in entries.items()}
+        looks = frozenset(item for item, entry in entries.items() if entry.look_only)
         return Claim(self._token, self._lease_clock.ttl_ms(), rows, look_only=looks)
 
     def _fetch_tensors(self, items: list[str]) -> dict[str, Found | Lease | None]:

@@ -245,24 +245,14 @@ class Stager:
         self._submit([item])
         return True
 
-    def rows_of(self, items: Iterable[str]) -> dict[str, int]:
-        """The rows each entry's look claims with; entries of no single size are left out."""
-        out: dict[str, int] = {}
-        for item in items:
-            entry = self._entries.get(item)
-            if entry is not None and entry.rows >= 0:
-                out[item] = entry.rows
-        return out
-
-    def looks_only(self, items: Iterable[str]) -> frozenset[str]:
-        """The entries among ``items`` whose look must not claim."""
-        return frozenset(
-            item for item in items if (entry := self._entries.get(item)) and entry.look_only
-        )
-
-    def modality_of(self, item: str) -> str:
-        entry = self._entries.get(item)
-        return "" if entry is None else entry.modality
+    def claims(self, items: Iterable[str]) -> dict[str, Entry]:
+        """The entries among ``items`` whose look carries a claim (a request of one size
+        started it): their ``rows``, ``modality`` and ``look_only`` say what to claim."""
+        return {
+            item: entry
+            for item in items
+            if (entry := self._entries.get(item)) is not None and entry.rows >= 0
+        }
 
     def encoding(self, item: str) -> None:
         """vLLM encodes ``item`` here this step: a lease won for it is kept (the write that

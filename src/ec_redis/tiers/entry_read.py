@@ -71,24 +71,20 @@ class EntryReader:
         items: Sequence[str],
         head_keys: Sequence[str],
         claim: Claim | None = None,
-        lease_keys: Sequence[str] = (),
     ) -> Out:
         """One whole version per item, or a miss; with ``claim``, the single-flight claims of
-        its items (``lease_keys``, one per item) ride in the heads' round trip, after them."""
+        its items ride in the heads' round trip, after them."""
         out: Out = dict.fromkeys(items)
         direct = bulk_read.supported(client)
         claimed: list[str] = []
         claims: list[tuple[Any, ...]] = []
         if claim is not None:
-            claimed, claims = claim.commands(list(items), list(lease_keys), list(head_keys))
+            claimed, claims = claim.commands(items, head_keys)
         heads, replies = self._heads(
             client, head_keys, direct, self._head_bytes, self._renew_ms, claims
         )
-        for item, reply in zip(claimed, replies, strict=True):
-            if isinstance(reply, Exception):
-                self._refused(reply, "claim")  # that item is encoded, nobody waits for it
-            assert claim is not None
-            claim.settle(item, reply)
+        if claim is not None:
+            claim.settle_all(claimed, replies, lambda exc: self._refused(exc, "claim"))
         longer = [i for i, head in enumerate(heads) if self._read_again(head)]
         if longer:  # heads longer than this reader's own writers make: whole, within the limit
             self.counters.inc("long_heads", len(longer))

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ec_redis.keys import KeyBuilder
 
 # CLAIM. KEYS: the entry's head, its lease. ARGV: the value to set, the deadline in ms, "1"
 # to only look (an item the claimant could not encode: it may wait, never claim).
@@ -101,28 +103,31 @@ class Claim:
     def value(self, item: str) -> bytes:
         return claim_value(self.rows[item], self.token)
 
-    def commands(self, items: list[str], lease_keys: list[str], head_keys: list[str]
+    def commands(self, items: Sequence[str], head_keys: Sequence[str]
                  ) -> tuple[list[str], list[tuple[Any, ...]]]:  # fmt: skip
-        """The claimed items among ``items`` and one ``EVAL`` per claimed item."""
+        """The claimed items among ``items`` (whose entries' heads are ``head_keys``) and one
+        ``EVAL`` per claimed item."""
         chosen: list[str] = []
         commands: list[tuple[Any, ...]] = []
-        for item, lease_key, head_key in zip(items, lease_keys, head_keys, strict=True):
+        for item, head in zip(items, head_keys, strict=True):
             if item in self.rows:
                 chosen.append(item)
                 peek = "1" if item in self.look_only else "0"
+                lease = KeyBuilder.lease_of(head)
                 commands.append(
-                    (
-                        "EVAL",
-                        CLAIM_SCRIPT,
-                        2,
-                        head_key,
-                        lease_key,
-                        self.value(item),
-                        self.ttl_ms,
-                        peek,
-                    )
+                    ("EVAL", CLAIM_SCRIPT, 2, head, lease, self.value(item), self.ttl_ms, peek)
                 )
         return chosen, commands
+
+    def settle_all(
+        self, items: Sequence[str], replies: Sequence[Any], refused: Callable[[Exception], None]
+    ) -> None:
+        """Record the replies of ``commands``' scripts; ``refused`` hears each error reply
+        (it may raise: a redirection sends the node's part of the batch elsewhere)."""
+        for item, reply in zip(items, replies, strict=True):
+            if isinstance(reply, Exception):
+                refused(reply)  # that item is encoded, nobody waits for it
+            self.settle(item, reply)
 
     def settle(self, item: str, reply: Any) -> None:
         """Record the script's reply for ``item`` (an error reply, or one of another shape,

@@ -155,7 +155,6 @@ class RedisTier(Tier):
         claims of its items go in the same round trip (``tiers/lease.py``)."""
         items = list(dict.fromkeys(keys))
         head_keys = [self.keys.head(item) for item in items]  # bad ids raise before the probe
-        lease_keys = [self.keys.lease(item) for item in items] if claim is not None else []
         out: dict[str, torch.Tensor | None] = dict.fromkeys(items)
         started = time.perf_counter()
 
@@ -165,7 +164,6 @@ class RedisTier(Tier):
                 [items[i] for i in indices],
                 [head_keys[i] for i in indices],
                 claim,
-                [lease_keys[i] for i in indices] if claim is not None else [],
             )
 
         served = 0
@@ -218,17 +216,14 @@ class RedisTier(Tier):
             claimed: list[str] = []
             claims: list[tuple[Any, ...]] = []
             if claim is not None:
-                names = [items[i] for i in indices]
-                leases = [self.keys.lease(item) for item in names]
-                claimed, claims = claim.commands(names, leases, chosen)
+                claimed, claims = claim.commands([items[i] for i in indices], chosen)
             found, replies = describe.describe(
                 client, chosen, self.options.max_blob_bytes, self._guard, claims
             )
-            for item, reply in zip(claimed, replies, strict=True):
-                if isinstance(reply, Exception):
-                    self._guard.refused_key("claim", reply)
-                assert claim is not None
-                claim.settle(item, reply)
+            if claim is not None:  # describe raised for a redirection already
+                claim.settle_all(
+                    claimed, replies, lambda exc: self._guard.refused_key("claim", exc)
+                )
             return found
 
         for indices, found in self._per_node("describe", head_keys, probe, lambda _: None):
