@@ -7,6 +7,7 @@ request ends before its encode gives the lease back."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -291,3 +292,19 @@ def test_an_announcement_is_looked_up_only_by_an_instance_waiting_on_its_lease(r
     wait_for(lambda: b._stager.in_flight == 0, 10, "b's look")
     assert len(cache.lookups) == looks + 1
     assert b.ensure_cache_available(rb, 0) is True and b.has_cache_item("mine") is True
+
+
+def test_an_announcement_during_a_producers_first_look_costs_no_second_look() -> None:
+    """On a busy machine the encoder's first look can outlast its encode and write: the
+    announcement of its own write then arrives with the look still in flight. One head
+    check per request, as without single flight (tests/e2e/test_epd_load.py counts them)."""
+    a, _, cache, _ = fleet("ec_producer", lease_ttl_s=2.0, recheck_s=60)
+    req = request("ra", ("own", 16))
+    assert a.ensure_cache_available(req, 0) is False  # the look is in flight
+    wait_for(lambda: len(cache.lookups) == 1, 5, "the look to start")
+    assert a._on_stored("own") is False
+    cache.open()
+    wait_for(lambda: a._stager.in_flight == 0, 10, "the look to return")
+    cache.open()  # a second look, if one were started, would not block
+    time.sleep(0.1)
+    assert len(cache.lookups) == 1

@@ -48,7 +48,7 @@ from ec_redis.connector.gate import RequestGate
 from ec_redis.connector.ids import cache_id, request_salt
 from ec_redis.connector.metadata import ECRedisMetadata, ECRedisWorkerMetadata, LoadItem
 from ec_redis.connector.pending import PendingWork
-from ec_redis.connector.staging import FETCHING, Found, Stager
+from ec_redis.connector.staging import Found, Stager
 from ec_redis.connector.transport import InlineTransport
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -190,12 +190,14 @@ class SchedulerSide:
     def _on_stored(self, item: str) -> object:
         """A writer announced ``item`` (subscriber thread). An instance that may encode
         waits only on another instance's lease: an item missing here for any other reason
-        (its own lease: it encodes, or just wrote, it) is not looked up again."""
+        (its own lease: it encodes, or just wrote, it; or its first look still in flight,
+        which a busy machine can make outlast the encode and write) is not looked up
+        again."""
         self._lease_clock.stored(item)
         if self._is_producer:
             entry = self._stager.get(item)
             lease = None if entry is None else entry.lease
-            if entry is not None and entry.state != FETCHING and (lease is None or lease.won):
+            if entry is not None and (lease is None or lease.won):
                 return False
         return self._stager.nudge(item)
 
