@@ -25,6 +25,7 @@ import torch
 
 from ec_redis import TieredCache
 from ec_redis.embedded import FLAVORS, EmbeddedRedis, Flavor, ServerBinary
+from ec_redis.tiers.transfer import HostCopy
 
 HAS_SERVER: dict[Flavor, bool] = {
     flavor: ServerBinary.find(flavor) is not None for flavor in FLAVORS
@@ -228,15 +229,15 @@ class BlockingSink:
     """Stands in for the Redis write of a cache: records each key and blocks until released."""
 
     def __init__(self, cache: TieredCache) -> None:
-        assert cache.redis is not None
-        self._real = cache.redis.put
+        assert cache.writer is not None
+        self._real = cache.writer._sink  # the writer process's, or the tier's put
         self.release = threading.Event()
         self.started = threading.Event()
         self.keys: list[str] = []
-        cache.redis.put = self  # type: ignore[method-assign]
+        cache.writer._sink = self
 
-    def __call__(self, key: str, tensor: torch.Tensor) -> bool:
+    def __call__(self, key: str, host: HostCopy) -> bool:
         self.keys.append(key)
         self.started.set()
         assert self.release.wait(20), "test never released the sink"
-        return self._real(key, tensor)
+        return self._real(key, host)

@@ -290,7 +290,7 @@ def test_demo_without_vllm_shows_the_cache_alone(
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were absent
-    monkeypatch.setitem(sys.modules, "ec_redis.connector.bench", None)
+    monkeypatch.setitem(sys.modules, "ec_redis.demo.drive", None)
     code, report, err = cli(capsys, "demo", "--redis-url", redis_url, "--json")
     assert code == EXIT_OK and report["mode"] == "cache"
     assert "vLLM is not installed, so no engine can run: showing --hooks-only" in err

@@ -254,7 +254,7 @@ def test_building_a_scheduler_role_connector_leaves_cuda_uninitialised() -> None
 
 def test_the_benchs_cuda_rows_are_produced_and_checked() -> None:
     from ec_redis.bench.cuda import cuda_rows
-    from ec_redis.bench.workload import QUICK_ITEMS
+    from ec_redis.demo.workload import QUICK_ITEMS
 
     rows = cuda_rows(QUICK_ITEMS[:1], 1)
     ops = " / ".join(row.op for row in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -16,6 +17,7 @@ from ec_redis.config import CacheConfig
 from ec_redis.errors import TensorError
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.logutil import RateLimitedLog
+from ec_redis.offload.sink import ProcessSink
 from ec_redis.stats import Counters
 from ec_redis.tiers import notify
 from ec_redis.tiers.cpu import HostTier
@@ -70,32 +72,58 @@ class TieredCache:
         self._log = RateLimitedLog()
         self.redis: RedisTier | None = None
         self.writer: BackgroundWriter | None = None
+        self.process_sink: ProcessSink | None = None
         check = redis_client is None and config.redis_check_on_start
+        own_client = redis_client is None and bool(config.redis_url)  # a child can rebuild it
         if redis_client is None and config.redis_url:
             from ec_redis.redis_conn import make_client
 
             redis_client = make_client(config)
         if redis_client is not None:
-            self.redis = RedisTier(
-                redis_client,
-                KeyBuilder(config.namespace, self.identity, config.tenant_salt),
-                _tier_options(config, self.identity),
-                CircuitBreaker(
-                    config.breaker_failures,
-                    config.breaker_cooldown_s,
-                    config.breaker_max_cooldown_s,
-                ),
-            )
+            self.redis = redis_tier(config, self.identity, redis_client)
             if check:
                 self._check_redis(redis_client)
+            self.process_sink = self._process_sink() if own_client else None
             self.writer = BackgroundWriter(
-                self._write_to_redis,
+                self.process_sink or self._write_to_redis,
                 config.write_queue_items,
                 config.write_queue_bytes,
                 config.writer_threads,
                 on_lost=self._write_lost,
             )
         self._closed = False
+
+    def _process_sink(self) -> ProcessSink | None:
+        """Writer processes for this cache's Redis writes (``offload/``), unless configured
+        off or the platform has no ``memfd``."""
+        if not self.config.writer_process or not hasattr(os, "memfd_create"):
+            return None
+        assert self.redis is not None
+        config = self.config
+        spec = {
+            "config": dataclasses.asdict(config),
+            "identity": dataclasses.asdict(self.identity),
+            "producer_id": producer_id(config),
+        }
+        per_call = config.redis_connect_timeout_s + config.redis_socket_timeout_s
+        return ProcessSink(
+            spec,
+            self.redis.counters,
+            self._write_to_redis,
+            arena_limit=config.write_queue_bytes,
+            max_children=config.writer_threads,
+            # far beyond what the child's own timeouts allow a write (it then answers False)
+            reply_timeout_s=60.0 + 8 * (config.redis_retries + 1) * per_call,
+        )
+
+    def warm_writes(self, wait_s: float = 0.0) -> bool:
+        """Start a writer process now (a saving engine's start-up), not at the first write
+        (writes run on the writer thread until one is up); ``wait_s``: wait that long for it.
+        True if one is up (or none is configured)."""
+        if self.process_sink is None:
+            return True
+        self.process_sink.warm()
+        return wait_s <= 0 or self.process_sink.wait_ready(wait_s)
 
     def _check_redis(self, client: Any) -> None:
         """Fail start-up on a configuration problem; only warn about an outage."""
@@ -351,6 +379,8 @@ class TieredCache:
         self._closed = True
         if self.writer is not None:
             self.writer.close(timeout_s)
+        if self.process_sink is not None:
+            self.process_sink.close(timeout_s)
         if self.redis is not None:
             self.redis.close()
         self.gpu.close()
@@ -372,6 +402,8 @@ class TieredCache:
             out["redis"] = self.redis.stats()
         if self.writer is not None:
             out["writer"] = self.writer.stats()
+            if self.process_sink is not None:
+                out["writer"].update(self.process_sink.stats())
         return out
 
 
@@ -418,6 +450,23 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+def redis_tier(config: CacheConfig, identity: ModelIdentity, client: Any) -> RedisTier:
+    """The Redis tier ``config`` describes, over ``client`` (also the writer process's)."""
+    return RedisTier(
+        client,
+        KeyBuilder(config.namespace, identity, config.tenant_salt),
+        _tier_options(config, identity),
+        CircuitBreaker(
+            config.breaker_failures, config.breaker_cooldown_s, config.breaker_max_cooldown_s
+        ),
+    )
+
+
+def producer_id(config: CacheConfig) -> str:
+    """What this process's blobs name as their writer (its writer process names the same)."""
+    return config.producer_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
 def _tier_options(config: CacheConfig, identity: ModelIdentity) -> RedisTierOptions:
     return RedisTierOptions(
         chunk_bytes=config.chunk_bytes,
@@ -428,7 +477,7 @@ def _tier_options(config: CacheConfig, identity: ModelIdentity) -> RedisTierOpti
         compression=config.compression,
         compression_min_ratio=config.compression_min_ratio,
         byte_shuffle=config.byte_shuffle,
-        producer_id=config.producer_id or f"{socket.gethostname()}:{os.getpid()}",
+        producer_id=producer_id(config),
         model=identity.label(),
         announce=config.announce_writes,
     )

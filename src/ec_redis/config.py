@@ -296,6 +296,15 @@ class CacheConfig:
         default=1,
         metadata=_key(_int_at_least(1), "1", "Background threads writing to Redis."),
     )
+    writer_process: bool = field(
+        default=True,
+        metadata=_key(
+            _bool,
+            "true",
+            "Run Redis writes in a child process fed through shared memory, so they never "
+            "take the engine's GIL; false: on threads in the engine's process.",
+        ),
+    )
     announce_writes: bool = field(
         default=True,
         metadata=_key(

@@ -15,7 +15,7 @@ import torch
 def request(request_id: str, *items: tuple[str, int], media: bool = True) -> Any:
     """A real vLLM request (status WAITING) whose items (id, num_embeds) follow each other;
     ``media=False``: metadata-only items, which cannot be encoded locally."""
-    from ec_redis.connector.bench import vllm_request
+    from ec_redis.demo.drive import vllm_request
 
     return vllm_request(request_id, *items, media=media)
 

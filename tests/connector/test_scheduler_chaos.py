@@ -221,6 +221,9 @@ def extra_config(
         "breaker_cooldown_s": 0.05,
         "breaker_max_cooldown_s": 0.2,
         "push_notifications": False,  # a subscriber thread would race the steps
+        # writes on the writer thread, as a replay needs: whether a write ran in a writer
+        # process or (while it started) here would differ between runs (tests/test_writer_process)
+        "writer_process": False,
         "lookup_wait_s": 0,  # lookups run when the harness says: never wait for one
         "redis_socket_timeout_s": SOCKET_TIMEOUT_S,
         "redis_connect_timeout_s": SOCKET_TIMEOUT_S,

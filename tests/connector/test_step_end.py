@@ -44,8 +44,12 @@ def test_a_pure_producers_step_ends_once_its_saves_are_in_redis(
     assert count(worker.stats_snapshot(), "save_wait_timeouts") == 0
 
 
-def test_an_ec_both_step_never_waits_for_its_writes(make_connector: Make, redis_url: str) -> None:
-    worker = make_connector("ec_both", "worker")
+@pytest.mark.parametrize("role", ["ec_both", "ec_producer"])
+def test_a_step_never_waits_for_its_writes_without_save_wait_s(
+    make_connector: Make, redis_url: str, role: str
+) -> None:
+    """ec_both never waits; a producer with ``save_wait_s: 0`` neither."""
+    worker = make_connector(role, "worker", extra={"save_wait_s": 0})
     sink = BlockingSink(worker._cache)
     worker.save_caches(encoder_cache={"img": embedding(16, 128)}, mm_hash="img")
     assert sink.started.wait(10)

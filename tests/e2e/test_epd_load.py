@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -83,7 +84,12 @@ def epd(
 ) -> Iterator[Epd]:
     """Encoder and PD (vLLM's default layout, two images per prompt) and the proxy."""
     work = tmp_path_factory.mktemp("epd_load")
-    extra = {"redis_url": redis_server.url}  # consumer_wait_s: the default 5 s
+    # consumer_wait_s: the default 5 s. EC_REDIS_EPD_EXTRA (JSON) adds keys, for the
+    # before/after runs of docs/benchmarks.md (e.g. the old write path).
+    extra = {
+        "redis_url": redis_server.url,
+        **json.loads(os.environ.get("EC_REDIS_EPD_EXTRA", "{}")),
+    }
     limit = ("--limit-mm-per-prompt", json.dumps({"image": IMAGES}))
     started: list[ApiServer] = []
 
@@ -225,6 +231,11 @@ def test_every_counter_on_metrics_tells_what_happened_exactly_once(load_run: Loa
     assert ec(encoder, "fetch_seconds_count") == requests_sent  # one head check per request
     for name in ("write_drops_total", "redis_write_errors_total", "redis_errors_total"):
         assert ec(encoder, name) == 0, name
+    # The writes ran in the encoder's writer process (started with its worker), none here.
+    writer = {n: load_run.encoder_after.ec(f"writer_{n}_total") for n in
+              ("process_starts", "process_deaths", "fallback_writes")}  # fmt: skip
+    if os.environ.get("EC_REDIS_EPD_EXTRA") is None:
+        assert writer == {"process_starts": 1, "process_deaths": 0, "fallback_writes": 0}
     assert ec(encoder, "skipped_encodes_total") == 0  # the images were new
     # PD: what it loaded, from where, and how long the loads took.
     assert ec(pd, "hits_redis_total") == images

@@ -22,7 +22,8 @@ import torch
 from ec_redis.bench.report import render
 from ec_redis.bench.results import Report, Row, make_row
 from ec_redis.bench.timing import Timing, measure
-from ec_redis.bench.workload import ITEMS, QUICK_ITEMS, Item, activation_like
+from ec_redis.bench.workload import ITEMS
+from ec_redis.demo.workload import QUICK_ITEMS, Item, activation_like
 from ec_redis.tiers.pinned import PinnedPool
 from ec_redis.tiers.transfer import Transfer
 

@@ -4,7 +4,7 @@ without it every instance that misses encodes (and writes) it. Both settings run
 process, in the same run, item by item in turn.
 
 Each instance is a scheduler half and a worker half of ECRedisConnector built through vLLM's
-own connector factory from a real ``VllmConfig`` (``bench.build_connectors``' machinery; the
+own connector factory from a real ``VllmConfig`` (``demo/drive.py``'s machinery; the
 demo's tiny LLaVA, ``embed_width`` set to the items'), with its own ``producer_id`` and so
 its own in-process cache: every item an instance loads crosses Redis. The config is vLLM's
 default layout (workers in processes of their own), so, as there, the worker half keeps its
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from ec_redis.bench.timing import percentile
-from ec_redis.bench.workload import Item, activation_like
-from ec_redis.connector.bench import IDLE_STEP, engine_config, vllm_request
+from ec_redis.demo.drive import IDLE_STEP, engine_config, vllm_request
+from ec_redis.demo.workload import Item, activation_like
 
 SETTINGS: dict[str, dict[str, object]] = {
     "on": {"single_flight": True},

@@ -1,24 +1,14 @@
-"""Benchmark inputs: Qwen2.5-VL-shaped encoder outputs with activation-like statistics."""
+"""Benchmark inputs: Qwen2.5-VL-shaped encoder outputs with activation-like statistics.
+
+The item type, the quick items and their generator are product code in ``demo/workload.py``
+(the demo's ``--hooks-only`` walk uses them too); the benchmark-only sizes are here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ec_redis.demo.workload import QUICK_ITEMS, Item, activation_like
 
-import torch
-
-WIDTH = 3584  # Qwen2.5-VL-7B hidden size: 7,168 bytes per token in bf16
-
-
-@dataclass(frozen=True)
-class Item:
-    label: str
-    rows: int
-    width: int = WIDTH
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.width * 2
-
+# Re-exported for the benchmarks that still import them from here (runner.py, results.py).
+__all__ = ["BENCH_ITEMS", "ITEMS", "QUICK_ITEMS", "Item", "activation_like"]
 
 ITEMS = (
     Item("448px image", 256),
@@ -26,15 +16,6 @@ ITEMS = (
     Item("1344px image", 2304),
     Item("video (64+ MiB)", 9400),
 )
-QUICK_ITEMS = (Item("448px image", 256), Item("1344px image", 2304))
-
-
-def activation_like(rows: int, width: int = WIDTH, seed: int = 0) -> torch.Tensor:
-    """bf16 values shaped like a vision tower's output: per-channel scales spanning orders of
-    magnitude, heavy-tailed outliers, no exact repeats. Synthetic; see docs/benchmarks.md."""
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.exp(torch.randn(width, generator=gen) * 1.2)
-    values = torch.randn(rows, width, generator=gen) * scale
-    outliers = torch.rand(rows, width, generator=gen) < 0.001
-    values = torch.where(outliers, values * 40, values)
-    return values.to(torch.bfloat16)
+# ``ec-redis bench``: also an item of 4 MiB, a little over one chunk (issue 17's sizes: 1.8 MB,
+# 4, 16 and 64 MiB).
+BENCH_ITEMS = (ITEMS[0], Item("4 MiB", 585), *ITEMS[1:])

@@ -252,7 +252,8 @@ def bench(args: argparse.Namespace) -> int:
     chunk_bytes = parse_bytes(args.chunk_bytes)
     repeat = 3 if args.quick and args.repeat == 5 else args.repeat
     reports = []
-    for url, label, name in targets(args.redis_url, args.topology, args.server, _err):
+    chosen = targets(args.redis_url, args.topology, args.server, _err)
+    for url, label, name in chosen:
         reports.append(
             run(
                 url,
@@ -282,7 +283,7 @@ def bench(args: argparse.Namespace) -> int:
 
         print("\n" + render_comparison(reports))
     if hooks is not None:
-        from ec_redis.connector.bench import render as render_hooks
+        from ec_redis.bench.connector_hooks import render as render_hooks
 
         print("\n" + render_hooks(hooks))
     return 0
@@ -295,35 +296,52 @@ def bench_connector(args: argparse.Namespace) -> int:
         return _bench_visibility(args)
     if args.single_flight:
         return _bench_single_flight(args)
+    if args.encoder_step:
+        return _bench_encoder_step(args)
     rows = _bench_hooks(args, args.quick, args.runs)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
-        from ec_redis.connector.bench import render
+        from ec_redis.bench.connector_hooks import render
 
         print(render(rows))
     return 0
 
 
 def _bench_visibility(args: argparse.Namespace) -> int:
-    from ec_redis.bench.workload import QUICK_ITEMS
+    from ec_redis.demo.workload import QUICK_ITEMS
 
     _vllm_logs_to_stderr()
     try:
-        from ec_redis.connector import visibility_bench
+        from ec_redis.bench import visibility
     except ImportError as exc:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
     with _embedded_url(args) as url:
-        rows = visibility_bench.run(url, QUICK_ITEMS, args.runs, _err)
+        rows = visibility.run(url, QUICK_ITEMS, args.runs, _err)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
-        print(visibility_bench.render(rows))
+        print(visibility.render(rows))
+    return 0
+
+
+def _bench_encoder_step(args: argparse.Namespace) -> int:
+    _vllm_logs_to_stderr()
+    try:
+        from ec_redis.bench import encoder_step
+    except ImportError as exc:
+        raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
+    with _embedded_url(args) as url:
+        rows = encoder_step.run(url, args.mib, args.steps, _err)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print(encoder_step.render(rows))
     return 0
 
 
 def _bench_single_flight(args: argparse.Namespace) -> int:
-    from ec_redis.bench.workload import QUICK_ITEMS
+    from ec_redis.demo.workload import QUICK_ITEMS
 
     if args.instances < 2 or args.encode_ms < 0:
         raise ConfigError("--single-flight needs --instances >= 2 and --encode-ms >= 0")
@@ -346,14 +364,14 @@ def _bench_single_flight(args: argparse.Namespace) -> int:
 def _bench_scheduler(args: argparse.Namespace) -> int:
     _vllm_logs_to_stderr()
     try:
-        from ec_redis.connector import sched_bench
+        from ec_redis.bench import scheduler_cost
     except ImportError as exc:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
-    rows = sched_bench.run(args.steps, _err)
+    rows = scheduler_cost.run(args.steps, _err)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
-        print(sched_bench.render(rows))
+        print(scheduler_cost.render(rows))
     return 0
 
 
@@ -388,11 +406,12 @@ def bench_fingerprint(args: argparse.Namespace) -> int:
 
 
 def _bench_hooks(args: argparse.Namespace, quick: bool, runs: int) -> list[Any]:
-    from ec_redis.bench.workload import ITEMS, QUICK_ITEMS
+    from ec_redis.bench.workload import ITEMS
+    from ec_redis.demo.workload import QUICK_ITEMS
 
     _vllm_logs_to_stderr()
     try:
-        from ec_redis.connector import bench as hooks
+        from ec_redis.bench import connector_hooks as hooks
     except ImportError as exc:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
     with _embedded_url(args) as url:

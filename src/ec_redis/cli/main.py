@@ -138,7 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
         "vs off in one run: encodes, Redis commands, hold time and time to embedding per item "
         "(1.8 and 16 MiB items)",
     )
-    hooks.add_argument("--steps", type=int, default=200, help="--scheduler: steps per size")
+    hooks.add_argument(
+        "--encoder-step",
+        action="store_true",
+        help="instead: what every connector hook adds to an encoder step saving a new item, "
+        "its worker in a process of its own behind vLLM's broadcast queue, write thread + "
+        "save wait vs writer process, quiet and with one core busy; PD's time to see the item "
+        "next to a raw SET+GET",
+    )
+    hooks.add_argument("--mib", type=float, default=16.0, help="--encoder-step: item MiB (16)")
+    hooks.add_argument(
+        "--steps", type=int, default=200, help="--scheduler / --encoder-step: steps per case"
+    )
     hooks.add_argument(
         "--instances", type=int, default=3, help="--single-flight: instances (default 3)"
     )

@@ -36,6 +36,9 @@ COUNTERS: dict[str, str] = {
     "foreign_keys": "Keys of another Redis type where an entry belongs (each one miss)",
     "incomplete_entries": "Published heads whose chunks are gone (the producer republishes)",
     "write_drops": "Pending Redis writes dropped because the write queue was full",
+    "writer_process_starts": "Writer processes started (Redis writes run outside the engine)",
+    "writer_process_deaths": "Writer processes that died or hung mid-write (each replaced)",
+    "writer_fallback_writes": "Redis writes made on the engine's thread: no writer process was up",
     "rejected_items": "Fetched items refused because dtype/width/rows disagreed with the request",
     "local_fallbacks": "Items encoded locally because the cache could not provide them",
     "unavailable_requests": "Requests failed as retryable because an item was unavailable",
@@ -244,6 +247,9 @@ def write_counters(stats: dict[str, Any]) -> tuple[dict[str, float], dict[str, f
         "redis_written_bytes": redis.get("bytes_written", 0),
         "redis_write_errors": redis.get("write_errors", 0),
         "write_drops": writer.get("dropped", 0),
+        "writer_process_starts": writer.get("process_starts", 0),
+        "writer_process_deaths": writer.get("process_deaths", 0),
+        "writer_fallback_writes": writer.get("process_fallback_writes", 0),
     }
     gauges = {"write_queue_depth": writer.get("queue_depth", 0)} if writer else {}
     return counters, gauges

@@ -76,6 +76,8 @@ class WorkerSide:
         self.counters = Counters()
         self._observations = Observations()
         self._log = RateLimitedLog()
+        if saves:
+            cache.warm_writes()  # the writer process starts now, not at the first save
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Any) -> None:
         if not isinstance(meta, ECRedisMetadata) or not meta.loads:

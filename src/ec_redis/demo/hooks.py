@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from ec_redis.bench.workload import QUICK_ITEMS, Item, activation_like
+from ec_redis.demo.workload import QUICK_ITEMS, Item, activation_like
 
 Say = Callable[[str], None]
 
 
 def run(url: str, say: Say) -> dict[str, Any]:
     try:
-        from ec_redis.connector.bench import build_connectors, one_item
+        from ec_redis.demo.drive import build_connectors, one_item
     except ImportError:
         return _cache_only(url, say)
     say(

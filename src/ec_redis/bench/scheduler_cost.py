@@ -12,14 +12,14 @@ its one bounded wait there).
 from __future__ import annotations
 
 import socket
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ec_redis.connector.bench import build_connectors, vllm_request
+from ec_redis.bench.timing import percentile
+from ec_redis.demo.drive import build_connectors, vllm_request
 
 WAITING = (1, 64, 256)
 
@@ -86,16 +86,17 @@ def run(steps: int, progress: Callable[[str], None]) -> list[CostRow]:
             for waiting in WAITING:
                 progress(f"scheduler cost: {waiting} waiting requests x {steps} steps")
                 busy, idle = measure(waiting, steps, scheduler, f"w{waiting}")
-                rows.append(CostRow(waiting, "busy", _pct(busy, 50), _pct(busy, 99)))
-                rows.append(CostRow(waiting, "idle", _pct(idle, 50), _pct(idle, 99)))
+                rows.append(CostRow(waiting, "busy", *_ms(busy)))
+                rows.append(CostRow(waiting, "idle", *_ms(idle)))
         finally:
             for connector in connectors:
                 connector.shutdown()
     return rows
 
 
-def _pct(seconds: list[float], pct: int) -> float:
-    return statistics.quantiles(seconds, n=100, method="inclusive")[pct - 1] * 1e3
+def _ms(seconds: list[float]) -> tuple[float, float]:
+    """p50 and p99 of ``seconds``, in milliseconds."""
+    return percentile(seconds, 50) * 1e3, percentile(seconds, 99) * 1e3
 
 
 def render(rows: list[CostRow]) -> str:

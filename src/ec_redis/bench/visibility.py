@@ -1,9 +1,10 @@
 """Push vs poll: how long after an encoder's ``save_caches`` returns a waiting PD scheduler
 half answers yes in ``has_cache_item``, next to a raw SET + GET of the same bytes.
 
-Per item size and mode, ``runs`` items go through ``bench.one_item``: the encoder's worker
-half saves (the Redis write runs on its writer thread), PD's scheduler half is asked step
-after step like an engine's (an idle step does the connector's bounded wait). Modes:
+Per item size and mode, ``runs`` items go through ``one_item`` (``demo/drive.py``): the
+encoder's worker half saves (the Redis write runs on its writer thread), PD's scheduler half
+is asked step after step like an engine's (an idle step does the connector's bounded wait).
+Modes:
 
 - ``poll``: ``push_notifications`` off; a missing item is looked at again every
   ``recheck_s`` (0.05 s, the default);
@@ -27,15 +28,15 @@ the first ask that sizes the spare staging files. p99 is then the steady state's
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ec_redis.bench.workload import Item, activation_like
-from ec_redis.connector.bench import build_connectors, one_item
+from ec_redis.bench.timing import percentile
+from ec_redis.demo.drive import build_connectors, one_item
+from ec_redis.demo.workload import Item, activation_like
 
 WARMUP = 1  # untimed items before each column's samples
 
@@ -139,14 +140,12 @@ def write_read(redis_url: str, item: Item, runs: int) -> list[float]:
 
 def _row(item: Item, mode: str, seconds: list[float]) -> VisibilityRow:
     return VisibilityRow(
-        item.label, item.nbytes / 2**20, mode, _pct(seconds, 50) * 1e3, _pct(seconds, 99) * 1e3
+        item.label,
+        item.nbytes / 2**20,
+        mode,
+        percentile(seconds, 50) * 1e3,
+        percentile(seconds, 99) * 1e3,
     )
-
-
-def _pct(values: list[float], pct: int) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]
 
 
 def render(rows: list[VisibilityRow]) -> str:

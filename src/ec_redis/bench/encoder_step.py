@@ -1,0 +1,330 @@
+"""What the connector adds to an encoder's step, in vLLM's process layout: the scheduler half
+in this process, the worker half in a process of its own that receives each step through
+vLLM's own shared-memory broadcast queue (``MessageQueue``) and spins on it between steps, as
+vLLM's workers do. (vLLM's queue pickles the step's metadata: that is vLLM's transport.)
+
+Each step encodes one new item (a fresh tensor of ``--mib`` MiB, made untimed in the worker
+as the encoder would) and saves it. Timed: every connector hook of the step on both halves —
+``ensure_cache_available``, ``has_cache_item``, ``update_state_after_alloc``,
+``build_connector_meta``, ``update_connector_output``, ``request_finished`` on the scheduler
+half; ``bind_connector_metadata``, ``start_load_caches``, ``save_caches``,
+``build_connector_worker_meta``, ``clear_connector_metadata`` on the worker half — and
+``save_caches`` alone. A PD scheduler half in a third process is told of each item once the
+encoder's step ended (as an EPD proxy would send PD the request) and asks step after step
+until it can load the item; its time from ``save_caches`` returning is next to a raw redis-py
+SET + GET of the same bytes on the same server, measured in the same run.
+
+Rows: ``thread`` (``writer_process: false``: the write on a thread in the worker's
+process), ``process`` (the defaults: a writer process; a producer's step waits for its write,
+``save_wait_s``) and ``process, no wait`` (``save_wait_s: 0``), for ``ec_producer`` and
+``ec_both`` (which never waits), on a quiet machine and with another process keeping one core
+busy.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+
+from ec_redis.bench.timing import percentile
+from ec_redis.connector.metadata import ECRedisWorkerMetadata
+from ec_redis.demo.drive import IDLE_STEP, engine_config, vllm_request
+from ec_redis.demo.workload import activation_like
+
+WIDTH = 2048
+SETTINGS: dict[str, dict[str, Any]] = {
+    "thread": {"writer_process": False},  # the write on a thread in the worker's process
+    "process": {},  # the defaults: the writer process
+    "process, no wait": {"save_wait_s": 0.0},
+}
+WORKER_HOOKS = ("bind", "start_load_caches", "save_caches", "worker_meta", "clear")
+
+
+@dataclass
+class StepRow:
+    setting: str
+    role: str
+    load: str  # "quiet" or "one core busy"
+    step_p50_ms: float
+    step_p99_ms: float
+    save_p50_ms: float
+    save_p99_ms: float
+    visible_p50_ms: float | None  # PD: save_caches -> loadable (ec_producer only)
+    visible_p99_ms: float | None
+    raw_p50_ms: float  # raw SET + GET of the same bytes
+    raw_p99_ms: float
+
+
+def half(model_dir: str, role: str, side: str, extra: dict[str, Any]) -> Any:
+    """One connector half over the tiny model's real ``VllmConfig``."""
+    from vllm.config import ECTransferConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    config = engine_config(Path(model_dir))
+    config.parallel_config.distributed_executor_backend = "mp"  # vLLM's default layout
+    config.ec_transfer_config = ECTransferConfig(
+        ec_connector="ECRedisConnector",
+        ec_connector_module_path="ec_redis.connector",
+        ec_role=role,
+        ec_connector_extra_config={**extra, "embed_width": WIDTH},
+    )
+    which = ECConnectorRole.WORKER if side == "worker" else ECConnectorRole.SCHEDULER
+    return ECConnectorFactory.get_connector_class(config.ec_transfer_config)(config, which)
+
+
+def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: Any) -> None:
+    """The worker process: vLLM's spin on the broadcast queue between steps, then the step."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    connector = half(model_dir, role, "worker", extra)
+    # the writer process is started with the worker half; time the steady state, not its start
+    if not connector._worker._cache.warm_writes(120):
+        raise RuntimeError("the writer process never came up")
+    queue = MessageQueue.create_from_handle(handle, 0)
+    queue.wait_until_ready()
+    rows = 0
+    while True:
+        message = queue.dequeue()
+        if message is None:
+            break
+        mm_hash, rows, seed, meta = message
+        tensor = activation_like(rows, WIDTH, seed=seed)  # the encoder's output (untimed)
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        connector.bind_connector_metadata(meta)
+        timings["bind"] = time.perf_counter() - started
+        encoder_cache: dict[str, torch.Tensor] = {}
+        started = time.perf_counter()
+        connector.start_load_caches(encoder_cache)
+        timings["start_load_caches"] = time.perf_counter() - started
+        encoder_cache[mm_hash] = tensor
+        started = time.perf_counter()
+        connector.save_caches(encoder_cache=encoder_cache, mm_hash=mm_hash)
+        saved_at = time.monotonic()
+        timings["save_caches"] = time.perf_counter() - started
+        started = time.perf_counter()
+        worker_meta = connector.build_connector_worker_meta()
+        timings["worker_meta"] = time.perf_counter() - started
+        timings["clear"] = _timed(connector.clear_connector_metadata)
+        out.send_bytes(json.dumps({
+            "timings": timings, "saved_at": saved_at,
+            "pending": worker_meta.pending_writes, "loaded_step": worker_meta.loaded_step,
+        }).encode())  # fmt: skip
+    connector.shutdown()
+
+
+def _pd(model_dir: str, extra: dict[str, Any], inbox: Any, out: Any) -> None:
+    """PD's scheduler half: for each item it is told of, asks step after step until it can
+    load it; answers the seconds from the encoder's ``save_caches`` returning."""
+    connector = half(model_dir, "ec_consumer", "scheduler", extra)
+    out.send_bytes(b"{}")  # up
+    while True:
+        raw = inbox.recv_bytes()
+        if raw == b"stop":
+            break
+        task = json.loads(raw)
+        mm_hash, rows, saved_at = task["mm_hash"], task["rows"], task["saved_at"]
+        req = vllm_request(f"pd-{mm_hash}", (mm_hash, rows), media=False)
+        deadline = time.monotonic() + 30
+        while not (connector.ensure_cache_available(req, 0) and connector.has_cache_item(mm_hash)):
+            if time.monotonic() > deadline:
+                break
+            connector.build_connector_meta(IDLE_STEP)
+        seen = time.monotonic() - saved_at if time.monotonic() <= deadline else -1.0
+        connector.request_finished(req)
+        out.send_bytes(json.dumps({"seconds": seen}).encode())
+    connector.shutdown()
+
+
+def measure(
+    url: str, model_dir: str, setting: str, role: str, load: str, mib: float, steps: int,
+    progress: Callable[[str], None],
+) -> StepRow:  # fmt: skip
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    progress(f"encoder step: {setting}, {role}, {load}, {mib:g} MiB x{steps}")
+    namespace = f"step{time.time_ns()}"
+    extra = {"redis_url": url, "namespace": namespace, **SETTINGS[setting]}
+    context = mp.get_context("spawn")
+    queue = MessageQueue(1, 1)
+    receive, send = context.Pipe(duplex=False)
+    worker = context.Process(
+        target=_worker,
+        args=(queue.export_handle(), model_dir, role, {**extra, "producer_id": "bench-encoder"},
+              send),
+        daemon=True,
+    )  # fmt: skip
+    pd_in_receive, pd_in_send = context.Pipe(duplex=False)
+    pd_out_receive, pd_out_send = context.Pipe(duplex=False)
+    with_pd = role == "ec_producer"
+    pd = context.Process(target=_pd, args=(model_dir, extra, pd_in_receive, pd_out_send),
+                         daemon=True)  # fmt: skip
+    worker.start()
+    if with_pd:
+        pd.start()
+    scheduler = half(model_dir, role, "scheduler", extra)
+    queue.wait_until_ready()
+    if with_pd:
+        pd_out_receive.recv_bytes()
+    rows = int(mib * 2**20) // (2 * WIDTH)
+    steps_ms: list[float] = []
+    saves_ms: list[float] = []
+    visible_ms: list[float] = []
+    try:
+        with _load(load):
+            for step in range(steps + 2):  # two warm-up steps: connections, the first write
+                mm_hash = f"{namespace}-item-{step}"
+                req = vllm_request(f"req-{mm_hash}", (mm_hash, rows))
+                deadline = time.monotonic() + 30
+                while not scheduler.ensure_cache_available(req, 0):  # the producer's check
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the request was never ready to schedule")
+                    scheduler.build_connector_meta(IDLE_STEP)
+                started = time.perf_counter()
+                scheduler.ensure_cache_available(req, 0)
+                if scheduler.has_cache_item(mm_hash):
+                    raise RuntimeError("a new item was already published: refusing to report")
+                scheduler.update_state_after_alloc(req, 0)
+                meta = scheduler.build_connector_meta(_Scheduled())
+                sched_s = time.perf_counter() - started
+                queue.enqueue((mm_hash, rows, step, meta))
+                reply = json.loads(receive.recv_bytes())
+                output = _Output(ECRedisWorkerMetadata(reply["pending"], reply["loaded_step"]))
+                started = time.perf_counter()
+                scheduler.update_connector_output(output)
+                scheduler.request_finished(req)
+                sched_s += time.perf_counter() - started
+                if with_pd:
+                    pd_in_send.send_bytes(json.dumps(
+                        {"mm_hash": mm_hash, "rows": rows, "saved_at": reply["saved_at"]}
+                    ).encode())  # fmt: skip
+                    seen = json.loads(pd_out_receive.recv_bytes())["seconds"]
+                    if seen < 0:
+                        raise RuntimeError("PD never found a saved item: refusing to report")
+                if step < 2:
+                    continue
+                steps_ms.append((sched_s + sum(reply["timings"].values())) * 1e3)
+                saves_ms.append(reply["timings"]["save_caches"] * 1e3)
+                if with_pd:
+                    visible_ms.append(seen * 1e3)
+        raw = raw_set_get(url, rows * WIDTH * 2, steps)
+    finally:
+        queue.enqueue(None)
+        if with_pd:
+            pd_in_send.send_bytes(b"stop")
+        worker.join(30)
+        if with_pd:
+            pd.join(30)
+        scheduler.shutdown()
+    return StepRow(
+        setting, role, load,
+        percentile(steps_ms, 50), percentile(steps_ms, 99),
+        percentile(saves_ms, 50), percentile(saves_ms, 99),
+        percentile(visible_ms, 50) if visible_ms else None,
+        percentile(visible_ms, 99) if visible_ms else None,
+        percentile(raw, 50), percentile(raw, 99),
+    )  # fmt: skip
+
+
+@dataclass
+class _Scheduled:
+    """The one field of vLLM's SchedulerOutput the connector reads: this step ran work."""
+
+    total_num_scheduled_tokens: int = 1
+
+
+@dataclass
+class _Output:
+    """vLLM's ECConnectorOutput for the step: what the worker half reported."""
+
+    ec_connector_worker_meta: ECRedisWorkerMetadata
+
+
+def raw_set_get(url: str, nbytes: int, runs: int) -> list[float]:
+    """Milliseconds for one redis-py SET and one GET of ``nbytes`` on the same server."""
+    client = redis.Redis.from_url(url)
+    payload = bytes(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())
+    out: list[float] = []
+    try:
+        for run in range(runs + 1):
+            started = time.perf_counter()
+            client.set("bench:raw", payload)
+            client.get("bench:raw")
+            if run:
+                out.append((time.perf_counter() - started) * 1e3)
+        client.delete("bench:raw")
+    finally:
+        client.close()
+    return out
+
+
+@contextmanager
+def _load(load: str) -> Iterator[None]:
+    """``one core busy``: another process spins on a core for the block."""
+    if load == "quiet":
+        yield
+        return
+    burner = mp.get_context("spawn").Process(target=_burn, daemon=True)
+    burner.start()
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.join(10)
+
+
+def _burn() -> None:
+    while True:
+        pass
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def run(url: str, mib: float, steps: int, progress: Callable[[str], None]) -> list[StepRow]:
+    from ec_redis.demo.tiny_model import build_tiny_llava
+
+    rows: list[StepRow] = []
+    with tempfile.TemporaryDirectory(prefix="ec_redis_step_model_") as tmp:
+        model_dir = str(build_tiny_llava(Path(tmp)))
+        for load in ("quiet", "one core busy"):
+            for role in ("ec_producer", "ec_both"):
+                for setting in SETTINGS:
+                    if role == "ec_both" and setting == "process, no wait":
+                        continue  # ec_both never waits: the same as "process"
+                    rows.append(measure(url, model_dir, setting, role, load, mib, steps, progress))
+    return rows
+
+
+def render(rows: list[StepRow]) -> str:
+    lines = [
+        "| load | role | code | step hooks p50 ms | p99 ms | save_caches p50 ms | p99 ms "
+        "| PD sees it p50 ms | p99 ms | raw SET+GET p50 ms | p99 ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        seen = (
+            f"{r.visible_p50_ms:.1f} | {r.visible_p99_ms:.1f}"
+            if r.visible_p50_ms is not None and r.visible_p99_ms is not None
+            else "- | -"
+        )
+        lines.append(
+            f"| {r.load} | {r.role} | {r.setting} | {r.step_p50_ms:.2f} | {r.step_p99_ms:.2f} "
+            f"| {r.save_p50_ms:.3f} | {r.save_p99_ms:.3f} | {seen} "
+            f"| {r.raw_p50_ms:.1f} | {r.raw_p99_ms:.1f} |"
+        )
+    return "\n".join(lines)
