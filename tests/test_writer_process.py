@@ -35,6 +35,7 @@ def settings(url: str, **more: Any) -> dict[str, Any]:
         "device": "cpu",
         "gpu_cache_bytes": 0,
         "cpu_cache_bytes": 0,  # a hit can then only come from Redis
+        "writer_process": True,
         **more,
     }
 

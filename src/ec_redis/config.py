@@ -297,12 +297,13 @@ class CacheConfig:
         metadata=_key(_int_at_least(1), "1", "Background threads writing to Redis."),
     )
     writer_process: bool = field(
-        default=True,
+        default=False,
         metadata=_key(
             _bool,
             "true",
-            "Run Redis writes in a child process fed through shared memory, so they never "
-            "take the engine's GIL; false: on threads in the engine's process.",
+            "Run Redis writes in a child process fed through shared memory, so they take "
+            "the engine's GIL only to hand each item over (experimental: off by default); "
+            "false: on threads in the engine's process.",
         ),
     )
     announce_writes: bool = field(

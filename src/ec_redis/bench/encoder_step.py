@@ -14,11 +14,11 @@ encoder's step ended (as an EPD proxy would send PD the request) and asks step a
 until it can load the item; its time from ``save_caches`` returning is next to a raw redis-py
 SET + GET of the same bytes on the same server, measured in the same run.
 
-Rows: ``thread`` (``writer_process: false``: the write on a thread in the worker's
-process), ``process`` (the defaults: a writer process; a producer's step waits for its write,
-``save_wait_s``) and ``process, no wait`` (``save_wait_s: 0``), for ``ec_producer`` and
-``ec_both`` (which never waits), on a quiet machine and with another process keeping one core
-busy.
+Rows: ``thread`` (the defaults: the write on a thread in the worker's process),
+``process`` (``writer_process: true``; a producer's step waits for its write,
+``save_wait_s``) and ``process, no wait`` (also ``save_wait_s: 0``), for ``ec_producer``
+and ``ec_both`` (which never waits), on a quiet machine and with another process keeping
+one core busy.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from ec_redis.demo.workload import activation_like
 
 WIDTH = 2048
 SETTINGS: dict[str, dict[str, Any]] = {
-    "thread": {"writer_process": False},  # the write on a thread in the worker's process
-    "process": {},  # the defaults: the writer process
-    "process, no wait": {"save_wait_s": 0.0},
+    "thread": {},  # the defaults: the write on a thread in the worker's process
+    "process": {"writer_process": True},
+    "process, no wait": {"writer_process": True, "save_wait_s": 0.0},
 }
 WORKER_HOOKS = ("bind", "start_load_caches", "save_caches", "worker_meta", "clear")
 
