@@ -23,7 +23,7 @@ from ec_redis import TieredCache
 from ec_redis.config import CacheConfig
 from ec_redis.embedded.server import EmbeddedRedis
 from ec_redis.offload import sink as sink_module
-from tests.conftest import bit_exact, embedding, paused, wait_for
+from tests.conftest import bit_exact, embedding, emptied, paused, wait_for
 
 pytestmark = pytest.mark.redis
 
@@ -109,7 +109,7 @@ def test_a_child_killed_mid_write_shows_nothing_half_and_is_replaced(
     """Redis paused, the child blocks mid-write (a 64 MiB value fills its socket); SIGKILL it.
     Nothing of the item is visible meanwhile, its chunks are never immortal, and the write is
     retried in a fresh child once Redis is back."""
-    url = emptied_url(private_redis)
+    url = emptied(private_redis)
     cache = TieredCache.from_config(settings(url, orphan_grace_s=1.0))
     try:
         assert cache.warm_writes(60)
@@ -260,13 +260,6 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def emptied_url(server: EmbeddedRedis) -> str:
-    client = redis.Redis.from_url(server.url)
-    client.flushall()
-    client.close()
-    return server.url
-
-
 def test_an_item_of_every_dtype_crosses_whole(writing: TieredCache, redis_url: str) -> None:
     other = reader(redis_url)
     try:
@@ -316,7 +309,7 @@ def test_the_childs_breaker_opens_on_failed_writes_and_is_reported(
 ) -> None:
     """The breaker that sees the writes is the child's: its state is reported from there, and
     its failures are counted once in the parent's tier counters."""
-    url = emptied_url(private_redis)
+    url = emptied(private_redis)
     cache = TieredCache.from_config(
         settings(url, breaker_failures=1, breaker_cooldown_s=60, redis_retries=0)
     )

@@ -75,7 +75,7 @@ class TieredCache:
         self.process_sink: ProcessSink | None = None
         check = redis_client is None and config.redis_check_on_start
         own_client = redis_client is None and bool(config.redis_url)  # a child can rebuild it
-        if redis_client is None and config.redis_url:
+        if own_client:
             from ec_redis.redis_conn import make_client
 
             redis_client = make_client(config)

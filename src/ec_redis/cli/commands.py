@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ec_redis.config import CacheConfig
@@ -299,11 +299,16 @@ def bench_connector(args: argparse.Namespace) -> int:
     if args.encoder_step:
         return _bench_encoder_step(args)
     rows = _bench_hooks(args, args.quick, args.runs)
+    from ec_redis.bench.connector_hooks import render  # imported by _bench_hooks already
+
+    return _print_rows(args, rows, render)
+
+
+def _print_rows(args: argparse.Namespace, rows: list[Any], render: Callable[[Any], str]) -> int:
+    """A benchmark's rows as JSON (``--json``) or its table."""
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
-        from ec_redis.bench.connector_hooks import render
-
         print(render(rows))
     return 0
 
@@ -318,11 +323,7 @@ def _bench_visibility(args: argparse.Namespace) -> int:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
     with _embedded_url(args) as url:
         rows = visibility.run(url, QUICK_ITEMS, args.runs, _err)
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
-    else:
-        print(visibility.render(rows))
-    return 0
+    return _print_rows(args, rows, visibility.render)
 
 
 def _bench_encoder_step(args: argparse.Namespace) -> int:
@@ -333,11 +334,7 @@ def _bench_encoder_step(args: argparse.Namespace) -> int:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
     with _embedded_url(args) as url:
         rows = encoder_step.run(url, args.mib, args.steps, _err)
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
-    else:
-        print(encoder_step.render(rows))
-    return 0
+    return _print_rows(args, rows, encoder_step.render)
 
 
 def _bench_single_flight(args: argparse.Namespace) -> int:
@@ -354,11 +351,7 @@ def _bench_single_flight(args: argparse.Namespace) -> int:
         rows = single_flight_bench.run(
             url, QUICK_ITEMS, args.runs, args.encode_ms, _err, instances=args.instances
         )
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
-    else:
-        print(single_flight_bench.render(rows))
-    return 0
+    return _print_rows(args, rows, single_flight_bench.render)
 
 
 def _bench_scheduler(args: argparse.Namespace) -> int:
@@ -368,11 +361,7 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
     rows = scheduler_cost.run(args.steps, _err)
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
-    else:
-        print(scheduler_cost.render(rows))
-    return 0
+    return _print_rows(args, rows, scheduler_cost.render)
 
 
 def fingerprint(args: argparse.Namespace) -> int:
