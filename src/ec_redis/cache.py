@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -14,9 +13,10 @@ from ec_redis.breaker import CircuitBreaker
 from ec_redis.codec import destination
 from ec_redis.codec.format import BY_TORCH, MAX_NDIM
 from ec_redis.config import CacheConfig
-from ec_redis.errors import TensorError
+from ec_redis.errors import ConfigError, TensorError
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.logutil import RateLimitedLog
+from ec_redis.offload import handshake
 from ec_redis.offload.sink import ProcessSink
 from ec_redis.stats import Counters
 from ec_redis.tiers import notify
@@ -100,11 +100,11 @@ class TieredCache:
             return None
         assert self.redis is not None
         config = self.config
-        spec = {
-            "config": dataclasses.asdict(config),
-            "identity": dataclasses.asdict(self.identity),
-            "producer_id": producer_id(config),
-        }
+        try:  # a configuration the child cannot rebuild fails here, naming its key
+            spec = handshake.setup_message(config, self.identity, producer_id(config))
+        except ConfigError:
+            self.redis.close()
+            raise
         per_call = config.redis_connect_timeout_s + config.redis_socket_timeout_s
         return ProcessSink(
             spec,
@@ -268,8 +268,12 @@ class TieredCache:
 
     def _write_lost(self, key: str) -> bool:
         """The queue dropped the write of ``key``: end its single-flight lease (a writer
-        thread), so instances waiting for it encode it now. False: Redis did not take it."""
-        return self.redis is not None and not self._closed and self.redis.end_lease(key)
+        thread), so instances waiting for it encode it now. False: Redis did not take it.
+        With writer processes, a child ends it: its breaker, not this tier's, saw the writes."""
+        if self.redis is None or self._closed:
+            return False
+        ended = self.process_sink.end_lease(key) if self.process_sink is not None else None
+        return self.redis.end_lease(key) if ended is None else ended
 
     # -- writes --------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ COUNTERS: dict[str, str] = {
     "incomplete_entries": "Published heads whose chunks are gone (the producer republishes)",
     "write_drops": "Pending Redis writes dropped because the write queue was full",
     "writer_process_starts": "Writer processes started (Redis writes run outside the engine)",
-    "writer_process_deaths": "Writer processes that died or hung mid-write (each replaced)",
+    "writer_process_deaths": "Writer processes that died (mid-write or idle) or hung mid-write",
     "writer_fallback_writes": "Redis writes made on the engine's thread: no writer process was up",
     "rejected_items": "Fetched items refused because dtype/width/rows disagreed with the request",
     "local_fallbacks": "Items encoded locally because the cache could not provide them",

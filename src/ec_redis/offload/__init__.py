@@ -10,10 +10,17 @@ handful of times; the child takes none of the parent's.
 
 Everything else stays where it was: the bounded queue, coalescing, read-your-writes and the
 lost-write handling (``writer.py``); the versioned atomic entry and the breaker (the child's
-own ``RedisTier``); the counters, which the child sends back as per-write deltas and the
-parent adds to its own tier's (counted once). A child that dies or hangs mid-write is
-replaced; the write is retried once in a fresh child, and Redis never shows half of it (the
-entry's head is swapped in only after every chunk landed). A child that cannot be started
-(no ``memfd``, no free descriptor, a broken interpreter) costs nothing: the write runs on the
-parent's thread as it did before, counted, and a new child is tried after a back-off.
+own ``RedisTier``, which also ends the leases of dropped writes); the counters, which the
+child sends back as per-write deltas and the parent adds to its own tier's (counted once).
+
+A child gets another item only after a valid reply to its last request: one that dies,
+hangs, answers out of turn or is left with a request out by any error in the parent is killed
+and reaped before its arena is touched again (``process.py``), and the write is retried once
+in a fresh child; Redis never shows half of it (the entry's head is swapped in only after
+every chunk landed). Idle children that die are reaped at once (``watch.py``). A write no
+child can take costs nothing but the GIL: it runs on the parent's thread as it did before,
+counted. That covers a child that cannot start (no ``memfd``, no free descriptor, a broken
+interpreter), one that runs other ec_redis code than its parent (``handshake.py``: it
+refuses), children that keep dying (``backoff.py``: starts back off) and a request too
+large for the socket (a very long item id, ``wire.py``).
 """

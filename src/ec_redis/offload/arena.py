@@ -58,6 +58,7 @@ class Arena:
         size = min(self.limit, -(-max(nbytes, 2 * self.size) // PAGE) * PAGE)
         size = max(size, -(-nbytes // PAGE) * PAGE)
         self._unmap()
+        self.size = 0  # until the file has its new size and is mapped again
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)

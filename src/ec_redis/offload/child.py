@@ -1,77 +1,111 @@
-"""The writer process: ``python -m ec_redis.offload.child SOCKET_FD ARENA_FD``.
+"""The writer process: ``python -P -m ec_redis.offload.child SOCKET_FD ARENA_FD PARENT_PID``.
 
-It reads one setup message (the cache's configuration, the model identity and the parent's
-producer id), builds its own ``RedisTier`` and client, answers ``ready``, then serves one
-request at a time until its socket closes:
+It reads one setup message (``handshake.py``: the cache's configuration, the model identity,
+the parent's producer id and code fingerprint). If its own code differs it answers
+``refused`` and exits; else it builds its own ``RedisTier`` and client, answers ``ready``
+with its fingerprint, then serves one request at a time until its parent is gone:
 
 - ``{"op": "put", "id", "key", "dtype", "shape", "nbytes", "size"}``: write the item whose
-  bytes the parent put at the start of the arena (``size``: the arena's size then); the reply
-  is ``{"id", "ok", "counters", "breakers"}``, ``counters`` being what the tier counted for
-  this request (the parent adds them to its own tier's, so each is counted once) and
-  ``breakers`` its breakers' state after it;
-- ``{"op": "ping", "id"}``: answered at once (tests and start-up).
+  bytes the parent put at the start of the arena (``size``: the arena's size then);
+- ``{"op": "end_lease", "id", "key"}``: end the item's single-flight lease (its write was
+  dropped), behind this process's breaker, which saw the writes;
+- ``{"op": "ping", "id"}``: answered at once (tests).
+
+Every reply is ``{"id", "ok", "counters", "breakers"}``: ``counters`` being what the tier
+counted for this request (the parent adds them to its own tier's, so each is counted once)
+and ``breakers`` its breakers' state after it.
 
 It ignores SIGINT and SIGTERM (a Ctrl-C or a stop sent to the engine's process group must
-not cut a write short) and exits when its socket reaches end of stream: the parent closed it,
-or died. A write in flight when the parent dies is finished first, so what was handed over is
-still published. (No parent-death signal: Linux sends it when the *thread* that started the
-child ends, which is no sign of the parent's death.)
+not cut a write short) and exits once its parent is gone: end of stream on its socket, or,
+checked every ``PARENT_CHECK_S`` while idle, a parent pid that is no longer ``PARENT_PID``
+(re-parented: a fork of the dead parent may still hold the socket open). A write in flight
+when the parent dies is finished first, so what was handed over is still published. (No
+parent-death signal: Linux sends it when the *thread* that started the child ends, which is
+no sign of the parent's death.)
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
+import select
 import signal
 import socket
 import sys
 from typing import Any
 
 from ec_redis.cache import redis_tier
-from ec_redis.config import CacheConfig
-from ec_redis.keys import ModelIdentity
-from ec_redis.offload import wire
+from ec_redis.offload import handshake, wire
 from ec_redis.offload.arena import ArenaView
 from ec_redis.redis_conn import make_client
 from ec_redis.tiers.redis_tier import RedisTier
+
+PARENT_CHECK_S = 1.0  # how often an idle writer process checks that its parent lives
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = int(argv[2]) if len(argv) > 2 else os.getppid()
     sock = socket.socket(fileno=int(argv[0]))
     arena = ArenaView(int(argv[1]))
-    try:
-        tier = _setup(wire.receive(sock))
-    except wire.WireError:
+    spec = _next(sock, parent)
+    if spec is None:
         return 1
-    wire.send(sock, {"op": "ready"})
+    code = handshake.fingerprint()
+    if spec.get("code") != code:
+        reason = f"it runs ec_redis {code}, its parent {spec.get('code')!s:.80}"
+        _answer(sock, {"op": "refused", "reason": reason})
+        return 1
+    config, identity = handshake.read(spec)
+    tier = redis_tier(config, identity, make_client(config))
     seen: dict[str, float] = {}
-    while True:
-        try:
-            request = wire.receive(sock)
-        except wire.WireError:
-            break  # the parent closed its end (or died): nothing is in flight
-        ok = _serve(tier, arena, request)
-        wire.send(sock, {
-            "id": request.get("id"), "ok": ok, "counters": _delta(tier, seen),
-            "breakers": tier.breakers.stats(),
-        })  # fmt: skip
-    tier.close()
+    try:
+        if not _answer(sock, {"op": "ready", "code": code}):
+            return 1
+        while (request := _next(sock, parent)) is not None:
+            ok = _serve(tier, arena, request)
+            reply = {"id": request.get("id"), "ok": ok, "counters": _delta(tier, seen),
+                     "breakers": tier.breakers.stats()}  # fmt: skip
+            if not _answer(sock, reply):
+                break  # the parent is gone
+    finally:
+        tier.close()
     return 0
 
 
-def _setup(spec: dict[str, Any]) -> RedisTier:
-    config = dataclasses.replace(
-        CacheConfig.from_dict(spec["config"]), producer_id=str(spec["producer_id"])
-    )
-    identity = ModelIdentity(**spec["identity"])
-    return redis_tier(config, identity, make_client(config))
+def run() -> None:
+    """The entry point of ``python -c`` (Python < 3.11, which has no ``-P``)."""
+    sys.exit(main(sys.argv[1:]))
+
+
+def _next(sock: socket.socket, parent: int) -> dict[str, Any] | None:
+    """The next message; ``None`` once the parent is gone (or sent garbage)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    while not poller.poll(int(PARENT_CHECK_S * 1000)):
+        if os.getppid() != parent:
+            return None
+    try:
+        return wire.receive(sock)
+    except wire.WireError:
+        return None
+
+
+def _answer(sock: socket.socket, message: dict[str, Any]) -> bool:
+    try:
+        wire.send(sock, message)
+    except wire.WireError:
+        return False
+    return True
 
 
 def _serve(tier: RedisTier, arena: ArenaView, request: dict[str, Any]) -> bool:
-    if request.get("op") == "ping":
+    op = request.get("op")
+    if op == "ping":
         return True
-    if request.get("op") != "put":
+    if op == "end_lease":
+        return tier.end_lease(str(request.get("key")))
+    if op != "put":
         return False
     try:
         tensor = arena.tensor(
@@ -97,4 +131,4 @@ def _delta(tier: RedisTier, seen: dict[str, float]) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run()

@@ -1,121 +1,40 @@
 """The parent's side of the writer processes: a ``writer.Sink`` that hands each write to a
-child (``child.py``) and sleeps until it answers.
+child (``process.py``, ``child.py``) and sleeps until it answers.
 
 Children are kept in a pool, one per writer thread at most, started on the first write (or by
 ``warm``). Per write: copy the item into the child's arena, send one message, wait for the
-reply, add the counters it carries to the parent tier's. A child that dies, answers out of
-turn or stays silent past ``reply_timeout_s`` is killed and reaped before its arena is
-dropped, and the write is retried once in a fresh child (a second failure is a failed write:
-the item stays in the local tiers). When no child can be started the write runs on the
-calling thread through ``fallback`` (counted), and the next start is tried after
-``retry_after_s``.
+reply, add the counters it carries to the parent tier's. A child is given another item only
+after a valid reply to its last request; one that died, answered out of turn, stayed silent
+past ``reply_timeout_s`` or was left with a request out by any error here is killed and
+reaped, and only then is its arena dropped. Its write is retried once in a fresh child.
+
+Writes run on the calling thread through ``fallback`` (counted) whenever no child can take
+them: none up yet, starts backed off, a request too large for the socket (a very long item
+id), or a retry that finds no child. Starts back off (``backoff.py``) after a start fails, and
+after children keep dying (a second death with no write served between): a machine whose
+children cannot write pays no child start per write. Idle children that die are reaped at
+once (``watch.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-import torch
-
-import ec_redis
+from ec_redis.breaker import CLOSED
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.offload import wire
-from ec_redis.offload.arena import KEEP_BYTES, Arena
+from ec_redis.offload.backoff import Backoff, Strikes
+from ec_redis.offload.process import ChildGone, WriterProcess
+from ec_redis.offload.watch import DeathWatch
 from ec_redis.stats import Counters
 from ec_redis.tiers.transfer import HostCopy
 
 Fallback = Callable[[str, HostCopy], bool]
-
-
-class ChildGone(Exception):
-    """A writer process died, hung or broke the protocol."""
-
-
-class _Child:
-    """One writer process, its socket and its arena."""
-
-    def __init__(self, spec: Mapping[str, Any], arena_limit: int, start_timeout_s: float) -> None:
-        self.arena = Arena(arena_limit)
-        self._next_id = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        try:
-            ours, theirs = wire.pair()
-        except BaseException:
-            self.arena.close()
-            raise
-        self.sock = ours
-        try:
-            self.proc = subprocess.Popen(
-                command(theirs.fileno(), self.arena.fd),
-                pass_fds=(theirs.fileno(), self.arena.fd),
-                stdin=subprocess.DEVNULL,
-                env=_child_env(),
-            )  # fmt: skip
-            theirs.close()
-            ours.settimeout(start_timeout_s)
-            wire.send(ours, dict(spec))
-            if wire.receive(ours).get("op") != "ready":
-                raise ChildGone("the writer process did not answer ready")
-        except BaseException:
-            theirs.close()
-            self.kill()
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else -1
-
-    def put(self, key: str, tensor: torch.Tensor, timeout_s: float) -> dict[str, Any]:
-        nbytes = self.arena.fill(tensor)
-        try:
-            return self.call(
-            {"op": "put", "key": key, "dtype": wire.dtype_name(tensor.dtype),
-             "shape": list(tensor.shape), "nbytes": nbytes, "size": self.arena.size},
-                timeout_s,
-            )  # fmt: skip
-        finally:
-            if self.arena.fd >= 0:  # not killed meanwhile
-                self.arena.trim(KEEP_BYTES)
-
-    def call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        self._next_id += 1
-        request["id"] = self._next_id
-        try:
-            self.sock.settimeout(timeout_s)
-            wire.send(self.sock, request)
-            reply = wire.receive(self.sock)
-        except wire.WireError as exc:
-            raise ChildGone(str(exc)) from exc
-        if reply.get("id") != self._next_id or not isinstance(reply.get("counters"), dict):
-            raise ChildGone(f"a reply out of turn: {reply!r:.200}")
-        return reply
-
-    def stop(self, timeout_s: float) -> None:
-        """End of stream: the child finishes nothing (it is idle) and exits."""
-        self.sock.close()
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout_s)
-        self.kill()
-
-    def kill(self) -> None:
-        """Kill and reap the child, then drop its arena (never while the child may read it)."""
-        self.sock.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            try:
-                self.proc.wait(10.0)
-            except subprocess.TimeoutExpired:  # unkillable (D state): leak the arena too
-                return
-        self.arena.close()
+DEFAULT_BACKOFF = Backoff(base_s=10.0, max_s=600.0)
+_COUNTERS = ("starts", "start_failures", "deaths", "retried_writes", "fallback_writes")
 
 
 class ProcessSink:
@@ -131,7 +50,7 @@ class ProcessSink:
         reply_timeout_s: float,
         max_children: int = 1,
         start_timeout_s: float = 120.0,
-        retry_after_s: float = 10.0,
+        backoff: Backoff = DEFAULT_BACKOFF,
     ) -> None:
         self._spec = dict(spec)
         self._tier_counters = counters  # the parent tier's: the children's deltas go there
@@ -139,45 +58,89 @@ class ProcessSink:
         self._arena_limit = arena_limit
         self._reply_timeout_s = reply_timeout_s
         self._start_timeout_s = start_timeout_s
-        self._retry_after_s = retry_after_s
-        self._idle: list[_Child] = []
-        self._busy: set[_Child] = set()
+        self._idle: list[WriterProcess] = []
+        self._busy: set[WriterProcess] = set()
+        self._exited_busy: set[WriterProcess] = set()  # seen dead mid-request: left to it
         self._cond = threading.Condition()
         self._starting = 0
         self._starters: list[threading.Thread] = []
         self._max_children = max_children
-        self._no_start_until = 0.0
+        self._strikes = Strikes(backoff)  # when a child may be started again
         self._closed = False
         self.counters = Counters()
-        for name in ("starts", "start_failures", "deaths", "retried_writes", "fallback_writes"):
+        for name in _COUNTERS:
             self.counters.inc(name, 0)  # reported from the start, never missing
         self._log = RateLimitedLog()
+        self._watch = DeathWatch(self._watched, self._exited)
 
     def __call__(self, key: str, host: HostCopy) -> bool:
-        child = self._take()
-        if child is None:  # none ready yet (starting, backed off) or closed: write here
-            self.counters.inc("fallback_writes")
-            return self._fallback(key, host)
         for attempt in range(2):
-            try:
-                reply = child.put(key, host.tensor, self._reply_timeout_s)
-            except ChildGone as exc:
-                self._lost(child, key, exc)
-                if attempt == 1:
-                    break
-                child = self._take(wait_for_start=True)  # never retried on this thread:
-                if child is None:  # the item may be what killed the child
-                    break
+            child = self._take(wait_for_start=attempt > 0)  # a retry waits for a start
+            if child is None:  # none up (starting, backed off) or closed: write here
+                break
+            if attempt:
                 self.counters.inc("retried_writes")
+            try:
+                reply = self._ask(
+                    child, f"while writing {_shown(key)}",
+                    lambda c: c.put(key, host.tensor, self._reply_timeout_s),
+                )  # fmt: skip
+            except wire.TooLarge as exc:  # never sent: the child serves on
+                self._log.warning(
+                    "large", "ec_redis: the request to write %s does not fit the writer "
+                    "process's socket (%s); written on the engine's thread", _shown(key), exc,
+                )  # fmt: skip
+                break
+            if reply is None:  # lost: retried once in a fresh child, if one can start
                 continue
-            except BaseException:
-                self._give_back(child)
-                raise
-            self._give_back(child)
-            self._add(reply["counters"])
-            self._breakers(reply.get("breakers"))
+            with self._cond:
+                self._strikes.served()
             return bool(reply.get("ok"))
-        return False  # the write failed; the item stays in the local tiers
+        self.counters.inc("fallback_writes")
+        return self._fallback(key, host)
+
+    def end_lease(self, key: str) -> bool | None:
+        """End the single-flight lease of ``key`` (its write was dropped) through an idle
+        child, behind the breaker that saw this cache's writes (the parent's saw none), as the
+        in-process writer does behind its own. Without an idle child: False while the
+        children last reported an open breaker, else ``None`` (the caller ends it itself)."""
+        child = self._take(start=False)
+        if child is None:
+            return False if self.counters.get("breaker_state") != CLOSED else None
+        try:
+            reply = self._ask(
+                child, f"while ending the lease of {_shown(key)}",
+                lambda c: c.call({"op": "end_lease", "key": key}, self._reply_timeout_s),
+            )  # fmt: skip
+        except wire.TooLarge:
+            return None
+        return False if reply is None else bool(reply.get("ok"))
+
+    def _ask(
+        self,
+        child: WriterProcess,
+        what: str,
+        request: Callable[[WriterProcess], dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        """``request(child)``'s reply, its counters added; ``child`` is released whatever
+        happens (``_release``). ``None``: the child was lost (killed, reaped, counted).
+        Exceptions propagate: ``wire.TooLarge`` (nothing sent, the child serves on) or any
+        other, which kills the child if its request was out."""
+        try:
+            reply = request(child)
+        except ChildGone as exc:
+            self._release(child)
+            self._died(child, f"{what} ({exc})")
+            return None
+        except BaseException as exc:
+            self._release(child)
+            if child.in_flight:
+                self._died(child, f"to an error here ({exc!r})", strike=False)
+            raise
+        self._release(child)
+        self._add(reply["counters"])
+        self._breakers(reply.get("breakers"))
+        return reply
 
     def warm(self) -> None:
         """Start a child now, on a thread of its own, so that the first write finds it."""
@@ -197,20 +160,24 @@ class ProcessSink:
                 self._cond.wait(remaining)
         return True
 
-    def _take(self, *, wait_for_start: bool = False) -> _Child | None:
+    def _take(self, *, wait_for_start: bool = False, start: bool = True) -> WriterProcess | None:
         """An idle child. Else, while fewer than ``max_children`` exist, one is started on
-        another thread, and ``None`` is returned at once (a write never waits for a start)
-        unless ``wait_for_start``; with every child busy, the next one given back. ``None``
-        while starting is backed off, or once closed."""
+        another thread (``start``), and ``None`` is returned at once (a write never waits
+        for a start) unless ``wait_for_start``; with every child busy, the next one given
+        back. ``None`` while starting is backed off, or once closed."""
         with self._cond:
             while True:
                 if self._closed:
                     return None
-                if self._idle:
+                while self._idle:
                     child = self._idle.pop()
-                    self._busy.add(child)
-                    return child
-                backed_off = time.monotonic() < self._no_start_until
+                    if child.quiet():
+                        self._busy.add(child)
+                        return child
+                    self._reap(child)  # died idle, the watch has not seen it yet
+                if not start:
+                    return None
+                backed_off = self._strikes.backed_off()
                 if not backed_off and len(self._busy) + self._starting < self._max_children:
                     self._start_async()
                 if backed_off or (self._starting and not wait_for_start):
@@ -230,8 +197,8 @@ class ProcessSink:
 
     def _start(self) -> None:
         try:
-            child = _Child(self._spec, self._arena_limit, self._start_timeout_s)
-        except Exception as exc:  # EMFILE, ENOMEM, no memfd, a broken interpreter...
+            child = WriterProcess(self._spec, self._arena_limit, self._start_timeout_s)
+        except Exception as exc:  # EMFILE, ENOMEM, no memfd, a broken interpreter, refused
             with self._cond:
                 self._start_failed(exc)
             return
@@ -241,39 +208,71 @@ class ProcessSink:
             self._cond.notify_all()
             if not self._closed:
                 self._idle.append(child)
+                self._watch.changed()
                 return
         child.stop(1.0)
 
     def _start_failed(self, exc: BaseException) -> None:
         """(Under the lock.)"""
         self._starting -= 1
-        self._no_start_until = time.monotonic() + self._retry_after_s
         self._cond.notify_all()
         self.counters.inc("start_failures")
+        delay_s = self._strikes.start_failed()
         self._log.warning(
             "start", "ec_redis: cannot start a writer process (%r); writing on the engine's "
-            "thread for %.0f s", exc, self._retry_after_s,
+            "thread for %.0f s", exc, delay_s,
         )  # fmt: skip
 
-    def _give_back(self, child: _Child) -> None:
+    def _release(self, child: WriterProcess) -> None:
+        """Back to the pool if it answered its last request; else (a request may be out,
+        so it may still read its arena) killed and reaped before anything else happens."""
         with self._cond:
             self._busy.discard(child)
+            self._exited_busy.discard(child)
             self._cond.notify_all()
-            if not self._closed:
+            if not child.in_flight and not child.gone and not self._closed:
                 self._idle.append(child)
                 return
-        child.stop(1.0)
+        self._watch.changed()  # one child less to watch
+        child.stop(1.0)  # a child with a request out is killed at once
 
-    def _lost(self, child: _Child, key: str, exc: ChildGone) -> None:
+    def _died(self, child: WriterProcess, what: str, *, strike: bool = True) -> None:
+        """``child`` (already killed and reaped) was lost ``what``: counted; ``strike``: it
+        failed (not this process), which backs starts off if it follows another failure."""
         with self._cond:
-            self._busy.discard(child)
-            self._cond.notify_all()
-        child.kill()
+            delay_s = self._strikes.died() if strike else 0.0
+        self._lost(child, what, delay_s)
+
+    def _lost(self, child: WriterProcess, what: str, delay_s: float) -> None:
         self.counters.inc("deaths")
         self._log.warning(
-            "gone", "ec_redis: writer process %d lost while writing %r (%s); replaced",
-            child.pid, key, exc,
+            "gone", "ec_redis: writer process %d lost %s; %s", child.pid, what,
+            f"no new one for {delay_s:.0f} s" if delay_s else "replaced",
         )  # fmt: skip
+
+    def _watched(self) -> list[WriterProcess] | None:
+        """(The watch's thread.) The children to watch; ``None`` once closed."""
+        with self._cond:
+            if self._closed:
+                return None
+            return [c for c in (*self._idle, *self._busy) if c not in self._exited_busy]
+
+    def _exited(self, child: WriterProcess) -> None:
+        """(The watch's thread.) ``child`` exited: reaped now if idle; if busy, its write
+        finds it gone (end of stream) and handles it."""
+        with self._cond:
+            if child in self._idle:
+                self._idle.remove(child)
+                self._reap(child)
+            elif child in self._busy:
+                self._exited_busy.add(child)
+
+    def _reap(self, child: WriterProcess) -> None:
+        """(Under the lock.) An idle child died: reap it (it is dead: no wait)."""
+        child.kill()
+        self._watch.changed()
+        status = child.proc.returncode if child.proc is not None else None
+        self._lost(child, f"while idle (exit status {status})", self._strikes.died())
 
     def _add(self, counters: Mapping[str, Any]) -> None:
         for name, value in counters.items():
@@ -302,6 +301,7 @@ class ProcessSink:
             idle, self._idle = self._idle, []
             starters, self._starters = self._starters, []
             self._cond.notify_all()
+        self._watch.close(timeout_s)
         for child in idle:
             child.stop(timeout_s)
         for thread in starters:  # a child being started is stopped as soon as it is up
@@ -310,22 +310,13 @@ class ProcessSink:
     def stats(self) -> dict[str, float]:
         out = {f"process_{name}": value for name, value in self.counters.snapshot().items()}
         with self._cond:
+            for child in [c for c in self._idle if not c.quiet()]:  # without a pidfd
+                self._idle.remove(child)
+                self._reap(child)
             out["process_alive"] = float(len(self._idle) + len(self._busy))
         return out
 
 
-def command(sock_fd: int, arena_fd: int) -> list[str]:
-    """How a writer process is started: this interpreter, ``child.py``, its two descriptors."""
-    return [sys.executable, "-m", "ec_redis.offload.child", str(sock_fd), str(arena_fd)]
-
-
-def _child_env() -> dict[str, str]:
-    """The parent's environment, with ``ec_redis`` importable however the parent found it."""
-    env = dict(os.environ)
-    root = Path(ec_redis.__file__).resolve().parent.parent
-    if root.is_relative_to(Path(sys.prefix).resolve()):
-        return env  # installed: the interpreter finds it (and site-packages stays behind)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(root) not in paths:  # a source checkout, or a module path handed to vLLM
-        env["PYTHONPATH"] = os.pathsep.join([str(root), *paths])
-    return env
+def _shown(key: str) -> str:
+    """An item id as a log line shows it: at most 80 characters of it."""
+    return repr(key) if len(key) <= 80 else f"{key[:80]!r}... ({len(key)} characters)"
