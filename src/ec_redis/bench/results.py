@@ -34,16 +34,54 @@ class CodecRow:
 
 
 @dataclass
+class SocketRow:
+    """One item's Redis-tier get next to the socket-level reads of the same bytes (median ms):
+    one value, the tier's pieces pipelined (``bench/raw_socket.py``), and redis-py's GET."""
+
+    item: str
+    mib: float
+    get_ms: float  # each read's tensor dropped before the next read (its memory reused)
+    kept_ms: float  # every read's tensor kept: each lands in memory never used before
+    one_ms: float
+    pieces_ms: float
+    pieces: int  # how many keys the pipelined read fetched
+    redis_py_ms: float
+
+    @property
+    def raw_ms(self) -> float:
+        """The faster of the two socket reads."""
+        return min(self.one_ms, self.pieces_ms)
+
+    @property
+    def ratio(self) -> float:
+        """The tier's throughput / the faster socket read's (1: as fast as the socket)."""
+        return self.raw_ms / self.get_ms
+
+    @property
+    def kept_ratio(self) -> float:
+        return self.raw_ms / self.kept_ms
+
+    @property
+    def redis_py_ratio(self) -> float:
+        return self.redis_py_ms / self.get_ms
+
+
+@dataclass
 class Report:
     server: str  # what was measured, in full (binary, version, topology, URL)
     machine: str
     name: str = ""  # a short name for tables and plots, e.g. "valkey-server 9.1.2, cluster"
     rows: list[Row] = field(default_factory=list)
     codecs: list[CodecRow] = field(default_factory=list)
+    sockets: list[SocketRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for row, data in zip(self.sockets, out["sockets"], strict=True):
+            data.update(raw_ms=row.raw_ms, ratio=row.ratio, kept_ratio=row.kept_ratio,
+                        redis_py_ratio=row.redis_py_ratio)  # fmt: skip
+        return out
 
 
 def make_row(

@@ -11,15 +11,17 @@ from typing import Any
 import redis
 import torch
 
-from ec_redis.bench.results import CodecRow, Report, Row, make_row
+from ec_redis.bench.raw_socket import RawSocketClient, prefaulted
+from ec_redis.bench.results import CodecRow, Report, Row, SocketRow, make_row
 from ec_redis.bench.timing import Timing, measure
-from ec_redis.bench.workload import ITEMS, QUICK_ITEMS, Item, activation_like
+from ec_redis.bench.workload import BENCH_ITEMS, QUICK_ITEMS, Item, activation_like
 from ec_redis.cache import TieredCache
-from ec_redis.codec import decode_blob, encode_blob
+from ec_redis.codec import decode_blob, destination, encode_blob
 from ec_redis.config import CacheConfig
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
 from ec_redis.redis_url import parse_target
+from ec_redis.tiers.layout import part_size
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 
 Progress = Callable[[str], None]
@@ -41,7 +43,7 @@ def run(
     progress: Progress = _stderr,
 ) -> Report:
     report = Report(server=server, machine=_machine(), name=name or server)
-    items = QUICK_ITEMS if quick else ITEMS
+    items = QUICK_ITEMS if quick else BENCH_ITEMS
     raw = raw_client(url)
     config = CacheConfig(redis_url=url, compression="none", chunk_bytes=chunk_bytes)
     tier = RedisTier(
@@ -49,6 +51,7 @@ def run(
         KeyBuilder("bench", ModelIdentity("bench-model")),
         RedisTierOptions(chunk_bytes=chunk_bytes, compression="none"),
     )
+    socket = Sockets(url, report.notes)
     steps = len(items) * (2 + (1 if codecs else 0))
     step = 0
     try:
@@ -57,7 +60,9 @@ def run(
             runs = max(2, repeat if item.nbytes < 32 << 20 else repeat // 2 + 1)
             step += 1
             progress(f"[{step}/{steps}] Redis tier vs raw redis-py, {_label(item)} x{runs}")
-            report.rows += _redis_rows(item, tensor, raw, tier, runs)
+            rows, sockets = _redis_rows(item, tensor, raw, tier, runs, socket)
+            report.rows += rows
+            report.sockets += [sockets] if sockets is not None else []
             step += 1
             progress(f"[{step}/{steps}] local tiers, {_label(item)}")
             report.rows += _local_rows(item, tensor, runs, url)
@@ -81,18 +86,26 @@ def run(
 
 
 def _redis_rows(
-    item: Item, tensor: torch.Tensor, raw: Any, tier: RedisTier, runs: int
-) -> list[Row]:
+    item: Item, tensor: torch.Tensor, raw: Any, tier: RedisTier, runs: int, socket: Sockets
+) -> tuple[list[Row], SocketRow | None]:
     payload = tensor.view(-1).view(torch.uint8).numpy().tobytes()  # the same number of bytes
     head = tier.keys.head("item")
     raw_key = "bench:raw" + head[head.index("{") :]  # the entry's hash tag: the same master
+    part = part_size(tier.options.chunk_bytes)  # the tier's pieces: the same bytes as N keys
+    piece_keys = [f"{raw_key}:piece:{i}" for i in range(-(-len(payload) // part))]
+    sock = socket.client(raw, raw_key)
+    into = prefaulted(len(payload)) if sock is not None else None
 
     def clear() -> None:
-        for key in [raw_key, *raw.scan_iter(head + "*")]:
+        for key in [raw_key, *piece_keys, *raw.scan_iter(head + "*")]:
             raw.unlink(key)  # one key per call: a cluster refuses cross-slot UNLINKs
 
     def raw_set() -> None:
         samples["raw_set"].append(_time(lambda: raw.set(raw_key, payload)))
+        if sock is not None:  # untimed: the pieces the pipelined socket read fetches
+            view = memoryview(payload)
+            for i, key in enumerate(piece_keys):
+                raw.set(key, view[i * part : (i + 1) * part])
 
     def put() -> None:
         samples["put"].append(_time(lambda: tier.put("item", tensor)))
@@ -100,27 +113,117 @@ def _redis_rows(
     def raw_get() -> None:
         samples["raw_get"].append(_time(lambda: raw.get(raw_key)))
 
-    def get() -> None:
-        start = time.perf_counter()
-        got.append(tier.get("item"))
+    def get() -> None:  # steady state: each read's tensor is dropped before the next read
+        check(tier.get("item"))  # untimed, and dropped (as a connector does once the tensor
+        start = time.perf_counter()  # is on the GPU): its memory is free for this read
+        read = tier.get("item")
         samples["get"].append(time.perf_counter() - start)
+        check(read)
 
-    samples: dict[str, list[float]] = {"raw_set": [], "put": [], "raw_get": [], "get": []}
-    got: list[torch.Tensor | None] = []
-    for run in range(runs):  # interleaved: both sides see the same noise ...
-        clear()
-        settle(raw)
-        # ... and go first in turn; a write's replication is over before anything else runs
-        for step in (raw_set, put, raw_get, get) if run % 2 else (put, raw_set, get, raw_get):
-            step()
+    def get_kept() -> None:  # every tensor kept: each read lands in memory never used before
+        destination.RECYCLER.clear()
+        start = time.perf_counter()
+        kept.append(tier.get("item"))
+        samples["get_kept"].append(time.perf_counter() - start)
+        check(kept[-1])
+
+    def check(read: torch.Tensor | None) -> None:
+        if read is None or not torch.equal(read, tensor):
+            raise RuntimeError("benchmark read back a wrong tensor: refusing to report")
+
+    def sock_one() -> None:
+        assert sock is not None and into is not None
+        start = time.perf_counter()
+        size = sock.read_one(raw_key.encode(), into)
+        samples["sock_one"].append(time.perf_counter() - start)
+        if size != len(payload) or into != payload:
+            raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
+
+    def sock_pieces() -> None:
+        assert sock is not None and into is not None
+        start = time.perf_counter()
+        size = sock.read_pieces([k.encode() for k in piece_keys], into)
+        samples["sock_pieces"].append(time.perf_counter() - start)
+        if size != len(payload) or into != payload:
+            raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
+
+    samples: dict[str, list[float]] = {
+        "raw_set": [], "put": [], "raw_get": [], "get": [], "get_kept": [], "sock_one": [],
+        "sock_pieces": [],
+    }  # fmt: skip
+    kept: list[torch.Tensor | None] = []
+    reads = [raw_get, get, *([get_kept, sock_one, sock_pieces] if sock is not None else [])]
+    try:
+        for run in range(runs):  # interleaved: both sides see the same noise ...
+            clear()
             settle(raw)
-    if not all(t is not None and torch.equal(t, tensor) for t in got):
-        raise RuntimeError("benchmark read back a wrong tensor: refusing to report")
-    t = {k: Timing(tuple(v)) for k, v in samples.items()}
-    return [
+            # ... and go first in turn; a write's replication is over before anything else runs
+            writes = (raw_set, put) if run % 2 else (put, raw_set)
+            turn = run % len(reads)
+            for step in (*writes, *reads[turn:], *reads[:turn]):
+                step()
+                settle(raw)
+    finally:
+        if sock is not None:
+            sock.close()
+        kept.clear()
+    t = {k: Timing(tuple(v)) for k, v in samples.items() if v}
+    rows = [
         make_row(item, "redis put (encode+SET)", t["put"], "raw SET", t["raw_set"]),
         make_row(item, "redis get (GET+verify)", t["get"], "raw GET", t["raw_get"]),
     ]
+    if sock is None:
+        return rows, None
+    one, pieces = t["sock_one"], t["sock_pieces"]
+    faster = "raw socket, one value" if one.median_s <= pieces.median_s else (
+        f"raw socket, {len(piece_keys)} piece{'s' if len(piece_keys) > 1 else ''} pipelined"
+    )  # fmt: skip
+    best = one if one.median_s <= pieces.median_s else pieces
+    rows.append(make_row(item, "redis get vs socket", t["get"], faster, best))
+    ms = {k: v.median_s * 1e3 for k, v in t.items()}
+    return rows, SocketRow(
+        item=item.label,
+        mib=item.nbytes / 2**20,
+        get_ms=ms["get"],
+        kept_ms=ms["get_kept"],
+        one_ms=ms["sock_one"],
+        pieces_ms=ms["sock_pieces"],
+        pieces=len(piece_keys),
+        redis_py_ms=ms["raw_get"],
+    )
+
+
+class Sockets:
+    """Opens the socket-level baseline's connection (``bench/raw_socket.py``) to the server
+    holding a key: plain TCP without credentials only; ``None`` (and a note) otherwise."""
+
+    def __init__(self, url: str, notes: list[str]) -> None:
+        target = parse_target(url)
+        self._why = ""
+        if target.tls or target.password or target.username:
+            self._why = "TLS or credentials"
+        elif target.kind == "sentinel" or url.startswith("unix"):
+            self._why = f"a {'Unix socket' if url.startswith('unix') else 'Sentinel'} URL"
+        self._notes = notes
+
+    def client(self, raw: Any, key: str) -> RawSocketClient | None:
+        if self._why:
+            note = f"No raw-socket baseline for {self._why}: the minimal client speaks plain TCP."
+            if note not in self._notes:
+                self._notes.append(note)
+            return None
+        from redis.cluster import RedisCluster
+
+        if isinstance(raw, RedisCluster):
+            node = raw.get_node_from_key(key)  # type: ignore[no-untyped-call]
+            host, port = node.host, node.port
+        else:
+            kwargs = raw.connection_pool.connection_kwargs
+            if kwargs.get("db", 0):
+                self._why = "a database other than 0"
+                return self.client(raw, key)
+            host, port = kwargs.get("host", "localhost"), kwargs.get("port", 6379)
+        return RawSocketClient(host, int(port))
 
 
 def settle(raw: Any) -> None:

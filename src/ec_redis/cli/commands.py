@@ -252,7 +252,7 @@ def bench(args: argparse.Namespace) -> int:
     chunk_bytes = parse_bytes(args.chunk_bytes)
     repeat = 3 if args.quick and args.repeat == 5 else args.repeat
     reports = []
-    chosen = targets(args.redis_url, args.topology, args.server, _err)
+    chosen = targets(args.redis_url, args.topology, args.server, _err, args.io_threads)
     for url, label, name in chosen:
         reports.append(
             run(

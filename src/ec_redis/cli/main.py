@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also drive the connector hooks next to vLLM's ECExampleConnector",
     )
+    bench.add_argument(
+        "--io-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure each embedded valkey-server started with --io-threads N (N > 1)",
+    )
     bench.add_argument("--plot", metavar="PNG", help="write a throughput-vs-size plot")
     hooks = command(
         "bench-connector", "the connector hooks next to vLLM's ECExampleConnector", "embedded"

@@ -42,6 +42,7 @@ from ec_redis.codec.format import (
     DType,
     new_write_id,
 )
+from ec_redis.codec.landing import Landing
 from ec_redis.codec.safetensors_doc import MAX_HEADER_BYTES, build_header, parse_header
 from ec_redis.errors import BlobError, BlobTooLargeError, TensorError
 
@@ -228,8 +229,11 @@ def decode_parts(
     *,
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
     header: BlobHeader | None = None,
+    landing: Landing | None = None,
 ) -> torch.Tensor:
-    """Decode a blob given as consecutive parts (head first) with at most one copy."""
+    """Decode a blob given as consecutive parts (head first) with at most one copy.
+    ``landing``: the running checksum of a one-part blob as its bytes landed (``landing.py``;
+    used only when it covers exactly the payload, else the payload is hashed here)."""
     if not parts:
         raise BlobError("no blob parts")
     if header is None:
@@ -240,7 +244,7 @@ def decode_parts(
     pieces[0] = pieces[0][header.payload_offset :]
     st_len = header.raw_len - header.tensor_nbytes
     if header.codec == CODEC_NONE:
-        return _decode_raw(header, parts[0], pieces, st_len)
+        return _decode_raw(header, parts[0], pieces, st_len, landing)
     payload = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     return _decode_lz4(header, payload)
 
@@ -260,11 +264,18 @@ def _decode_lz4(header: BlobHeader, payload: Buffer) -> torch.Tensor:
 
 
 def _decode_raw(
-    header: BlobHeader, head: Buffer, pieces: list[memoryview], st_len: int
+    header: BlobHeader,
+    head: Buffer,
+    pieces: list[memoryview],
+    st_len: int,
+    landing: Landing | None = None,
 ) -> torch.Tensor:
     if len(pieces) == 1:
         first = pieces[0]
-        _check(header, xxhash.xxh3_64_intdigest(first), first[:st_len])
+        digest = None if landing is None else landing.digest(header.payload_offset, len(head))
+        if digest is None:
+            digest = xxhash.xxh3_64_intdigest(first)
+        _check(header, digest, first[:st_len])
         if not header.tensor_nbytes:
             return _as_tensor(header, None)
         offset = header.payload_offset + st_len

@@ -6,9 +6,12 @@ chunks of a large entry this reader sends the GETs on a pooled connection and ``
 each reply into its slice of the destination (``read_into``); commands sent ahead of the GETs
 in the same write (``prelude``: the TTL renewal script) have their small replies parsed and
 returned. Entry heads are read the same way (``read_values``): a large one-value entry lands
-in a buffer of its own, which the decoded tensor then uses as it is. An error reply to one
-key's command (a key of another type: ``WRONGTYPE``) is returned in that key's place: it is
-one line, so the replies after it are still read in step.
+in a buffer of its own (``codec/destination.fresh``: recycled, already faulted-in memory),
+which the decoded tensor then uses as it is. A caller may follow the bytes as they land
+(``landed``): it checksums each stretch while the next is still on the wire
+(``codec/landing.py``). An error reply to one key's command (a key of another type:
+``WRONGTYPE``) is returned in that key's place: it is one line, so the replies after it are
+still read in step.
 
 For any ``redis.Redis`` client whose pool makes our connections: one server (TCP/TLS/Unix), a
 Sentinel-managed master, and each node of a Redis Cluster. Error replies become redis-py's
@@ -19,15 +22,16 @@ the connection, so the pool never reuses one in an unknown state.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import redis
 from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+
+from ec_redis.codec import destination
 
 _RECV = 64 * 1024
 SMALL_VALUE = 64 * 1024  # up to this, a value is copied out of the read buffer as bytes
@@ -59,6 +63,9 @@ _MAX_SMALL_REPLY = 1 << 20
 
 
 Value = bytes | memoryview | ResponseError | None
+# (which value or target, its buffer, how many of its bytes have landed): called after every
+# receive into a caller's or a fresh buffer, in order, with the count only growing.
+Landed = Callable[[int, memoryview, int], None]
 
 
 def read_into(
@@ -66,15 +73,19 @@ def read_into(
     keys: Sequence[str],
     targets: Sequence[memoryview],
     prelude: Sequence[Sequence[Any]] = (),
+    landed: Landed | None = None,
 ) -> tuple[list[Reply], list[int | ResponseError | None]]:
     """Send the ``prelude`` commands, then GET every key into its target. Returns the prelude's
     replies and, per key, ``None`` when the key is missing, else the value's length (read into
     the target only when it is exactly the target's length; otherwise skipped). An error reply
-    is returned as a typed ``ResponseError``, not raised."""
+    is returned as a typed ``ResponseError``, not raised. ``landed(i, targets[i], count)``
+    follows the bytes as they land in target ``i``."""
     commands = [*prelude, *(("GET", key) for key in keys)]
     with _connection(client, commands) as reader:
         replies = [reader.reply() for _ in prelude]
-        return replies, [reader.bulk_into(target) for target in targets]
+        return replies, [
+            reader.bulk_into(target, _follow(landed, i, target)) for i, target in enumerate(targets)
+        ]
 
 
 def read_values(
@@ -82,16 +93,25 @@ def read_values(
     commands: Sequence[Sequence[Any]],
     prelude: Sequence[Sequence[Any]] = (),
     tail: Sequence[Sequence[Any]] = (),
+    landed: Landed | None = None,
 ) -> tuple[list[Reply], list[Value], list[Reply]]:
     """Send the ``prelude`` commands, then ``commands`` (each answered by one string or nil:
     ``GET``, ``GETRANGE``), then the ``tail`` commands, in one write. Returns the prelude's
     replies, the values (one up to ``SMALL_VALUE`` bytes as ``bytes``, a larger one in a buffer
     of its own that the socket was read straight into: one copy where redis-py makes two) and
-    the tail's replies. An error reply is returned as a typed ``ResponseError``, not raised."""
+    the tail's replies. An error reply is returned as a typed ``ResponseError``, not raised.
+    ``landed(i, buffer, count)`` follows the bytes of value ``i`` as they land, for each value
+    received in a buffer of its own."""
     with _connection(client, [*prelude, *commands, *tail]) as reader:
         replies = [reader.reply() for _ in prelude]
-        values = [reader.value() for _ in commands]
+        values = [reader.value(landed, i) for i in range(len(commands))]
         return replies, values, [reader.reply() for _ in tail]
+
+
+def _follow(landed: Landed | None, index: int, buffer: memoryview) -> Callable[[int], None] | None:
+    if landed is None:
+        return None
+    return lambda count: landed(index, buffer, count)
 
 
 @contextmanager
@@ -116,7 +136,9 @@ class _Reader:
         self._sock = sock
         self._buf = bytearray()
 
-    def bulk_into(self, target: memoryview) -> int | ResponseError | None:
+    def bulk_into(
+        self, target: memoryview, landed: Callable[[int], None] | None = None
+    ) -> int | ResponseError | None:
         line = self._line()
         if line[:1] == b"-":
             return _error(line[1:])
@@ -134,14 +156,14 @@ class _Reader:
         if size != len(target):
             self._skip(size + 2)
             return size
-        self._fill(target)
+        self._fill(target, landed)
         if self._take(2) != b"\r\n":
             raise RedisConnectionError("malformed bulk reply")
         return size
 
-    def value(self) -> Value:
+    def value(self, landed: Landed | None = None, index: int = 0) -> Value:
         """One string reply (or nil, or an error), small ones as bytes, larger ones received in
-        place."""
+        place (followed by ``landed`` as value ``index``)."""
         line = self._line()
         if line[:1] == b"-":
             return _error(line[1:])
@@ -156,8 +178,8 @@ class _Reader:
             return None
         if size <= SMALL_VALUE:
             return self._take(size + 2)[:-2]
-        target = np.empty(size, dtype=np.uint8).data  # no zero-fill: every byte is received
-        self._fill(target)
+        target = destination.fresh(size).numpy().data  # no zero-fill: every byte is received
+        self._fill(target, _follow(landed, index, target))
         if self._take(2) != b"\r\n":
             raise RedisConnectionError("malformed bulk reply")
         return target
@@ -190,15 +212,19 @@ class _Reader:
         del self._buf[: end + 2]
         return line
 
-    def _fill(self, target: memoryview) -> None:
+    def _fill(self, target: memoryview, landed: Callable[[int], None] | None = None) -> None:
         have = min(len(self._buf), len(target))
         target[:have] = self._buf[:have]
         del self._buf[:have]
+        if landed is not None and have:
+            landed(have)
         while have < len(target):
             got = self._sock.recv_into(target[have:])
             if got == 0:
                 raise RedisConnectionError("Redis closed the connection mid-reply")
             have += got
+            if landed is not None:
+                landed(have)
 
     def _take(self, count: int) -> bytes:
         while len(self._buf) < count:

@@ -8,7 +8,9 @@ whole (``long_heads``: a writer with a larger ``chunk_bytes``). A one-value entr
 from its head. A chunked entry's chunks (exactly those its head names) are read straight into
 the destination (``bulk_read``: one copy, kernel -> buffer) when the client allows and the
 blob's layout does (raw: the tensor's bytes; lz4: the compressed payload, decompressed into
-the tensor), else in one pipelined round trip for all such entries. With a sliding TTL, the
+the tensor), else in one pipelined round trip for all such entries. Directly read bytes are
+checksummed as they land (``codec/landing.py``), while the next ones are on the wire, into
+recycled memory (``codec/destination.py``). With a sliding TTL, the
 head is renewed by a ``PEXPIRE`` sent ahead of its read and the chunks by a script sent ahead
 of their ``GET``s. A bad version is deleted only while it is still current
 (compare-and-delete). An error reply to one key (a key of another type) is that item's miss
@@ -25,8 +27,9 @@ from typing import Any
 import torch
 
 from ec_redis.codec import decode_parts, destination, read_header
-from ec_redis.codec.direct import direct_layout, finish_direct
+from ec_redis.codec.direct import direct_layout, finish_direct, raw_landing
 from ec_redis.codec.format import CODEC_NONE, HEADER_SIZE, BlobHeader
+from ec_redis.codec.landing import Landing
 from ec_redis.errors import BlobError, BlobTooLargeError
 from ec_redis.tiers import bulk_read, entry_ops
 from ec_redis.tiers.guard import REDIS_ERRORS, Guard
@@ -80,8 +83,9 @@ class EntryReader:
         claims: list[tuple[Any, ...]] = []
         if claim is not None:
             claimed, claims = claim.commands(items, head_keys)
+        landings: dict[int, Landing] = {}
         heads, replies = self._heads(
-            client, head_keys, direct, self._head_bytes, self._renew_ms, claims
+            client, head_keys, direct, self._head_bytes, self._renew_ms, claims, landings
         )
         if claim is not None:
             claim.settle_all(claimed, replies, lambda exc: self._refused(exc, "claim"))
@@ -91,9 +95,10 @@ class EntryReader:
             again = [head_keys[i] for i in longer]
             for i, head in zip(longer, self._heads(client, again, direct)[0], strict=True):
                 heads[i] = head
+                landings.pop(i, None)
         found: list[_Found] = []
-        for item, head_key, head in zip(items, head_keys, heads, strict=True):
-            entry = self._classify(client, item, head_key, head, out)
+        for i, (item, head_key, head) in enumerate(zip(items, head_keys, heads, strict=True)):
+            entry = self._classify(client, item, head_key, head, out, landings.get(i))
             if entry is not None:
                 found.append(entry)
         rest = [entry for entry in found if not (direct and self._read_direct(client, entry, out))]
@@ -109,16 +114,26 @@ class EntryReader:
         limit: int | None = None,
         renew_ms: int | None = None,
         tail: Sequence[tuple[Any, ...]] = (),
+        landings: dict[int, Landing] | None = None,
     ) -> tuple[list[Any], list[Any]]:
         """Every head in one round trip, each read up to ``limit + 1`` bytes (default
         ``limit``: the largest entry accepted), so one that arrives longer than ``limit`` may
         have been cut; with ``renew_ms``, a ``PEXPIRE`` ahead of each read renews its TTL: hot
-        entries stay. ``tail``: commands sent after the reads, whose replies come second."""
+        entries stay. ``tail``: commands sent after the reads, whose replies come second.
+        ``landings`` gets the running checksum of each head received in place, by index."""
         last = self._max_blob_bytes if limit is None else limit
         reads = [("GETRANGE", key, 0, last) for key in head_keys]
         renewals = [] if renew_ms is None else [("PEXPIRE", key, renew_ms) for key in head_keys]
         if direct:
-            replies, heads, after = bulk_read.read_values(client, reads, renewals, tail)
+
+            def landed(index: int, buffer: memoryview, count: int) -> None:
+                if landings is not None:
+                    landing = landings.get(index)
+                    if landing is None:
+                        landing = landings[index] = Landing(buffer)
+                    landing.landed(count)
+
+            replies, heads, after = bulk_read.read_values(client, reads, renewals, tail, landed)
         else:
             pipe = client.pipeline(transaction=False)
             for command in (*renewals, *reads, *tail):
@@ -157,9 +172,16 @@ class EntryReader:
             self._guard.refused_key(op, exc)
 
     def _classify(
-        self, client: Any, item: str, head_key: str, head: Any, out: Out
+        self,
+        client: Any,
+        item: str,
+        head_key: str,
+        head: Any,
+        out: Out,
+        landing: Landing | None = None,
     ) -> _Found | None:
-        """Decode a one-value entry now, or say which chunks the head names."""
+        """Decode a one-value entry now (``landing``: its checksum as it landed, if it was
+        followed), or say which chunks the head names."""
         if isinstance(head, Exception):
             self._refused(head, "read")
             return None
@@ -168,7 +190,7 @@ class EntryReader:
         try:
             header = read_header(head, max_blob_bytes=self._max_blob_bytes)
             if len(head) == header.total_len:
-                out[item] = decode_parts([head], header=header)
+                out[item] = decode_parts([head], header=header, landing=landing)
                 return None
             return _Found(item, head_key, head, header, chunk_keys(head_key, header, len(head)))
         except BlobTooLargeError:
@@ -187,14 +209,24 @@ class EntryReader:
         # A raw blob's buffer becomes the tensor: it may land where the caller wants it.
         size = sum(layout)
         raw = entry.header.codec == CODEC_NONE
-        data = destination.buffer(size) if raw else torch.empty(size, dtype=torch.uint8)
+        data = destination.buffer(size) if raw else destination.fresh(size)
         view = data.numpy().data
-        targets, start = [], 0
+        targets, starts, start = [], [], 0
         for length in layout:
             targets.append(view[start : start + length])
+            starts.append(start)
             start += length
+        # raw: the checksum runs as the chunks land, each stretch while the next is in flight
+        landing = raw_landing(entry.header, entry.head, view)
+
+        def landed(index: int, _: memoryview, count: int) -> None:
+            if landing is not None:
+                landing.landed(starts[index] + count, starts[index])
+
         prelude = [self._renew_command(entry)] if self._renew_ms is not None else []
-        replies, sizes = bulk_read.read_into(client, entry.chunk_keys, targets, prelude)
+        replies, sizes = bulk_read.read_into(
+            client, entry.chunk_keys, targets, prelude, landed if landing is not None else None
+        )
         for reply in replies:
             self._renewed(client, entry, reply)
         self.counters.inc("direct_reads")
@@ -208,7 +240,7 @@ class EntryReader:
         try:
             if sizes != layout:
                 raise BlobError("a chunk's length disagrees with the blob header")
-            out[entry.item] = finish_direct(entry.header, entry.head, data)
+            out[entry.item] = finish_direct(entry.header, entry.head, data, landing)
         except BlobError as exc:
             self._reject(client, entry.item, entry.head_key, entry.head, entry.chunk_keys, exc)
         return True
