@@ -29,7 +29,7 @@ from ec_redis.config import CacheConfig
 from ec_redis.embedded.server import EmbeddedRedis
 from ec_redis.errors import ConfigError
 from ec_redis.keys import ModelIdentity
-from ec_redis.offload import handshake, wire
+from ec_redis.offload import handshake, peek, wire
 from ec_redis.offload import process as process_module
 from ec_redis.offload.arena import KEEP_BYTES
 from ec_redis.offload.backoff import Backoff, Strikes
@@ -48,6 +48,18 @@ def settings(url: str, **more: Any) -> dict[str, Any]:
         "writer_process": True,
         **more,
     }
+
+
+def no_peeking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Children that cannot read this process's memory (their probe reads back wrong):
+    every write goes through the arena, never handed over (``offload/peek.py``)."""
+    real = peek.Probe.spec
+    monkeypatch.setattr(peek.Probe, "spec", lambda self: {**real(self), "hex": "00" * 32})
+
+
+@pytest.fixture
+def arena_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_peeking(monkeypatch)
 
 
 @pytest.fixture
@@ -290,7 +302,7 @@ def test_an_item_of_every_dtype_crosses_whole(writing: TieredCache, redis_url: s
 
 
 def test_an_arena_gives_a_videos_pages_back_and_serves_the_next_item(
-    redis_url: str,
+    arena_only: None, redis_url: str
 ) -> None:
     """After an item larger than KEEP_BYTES the arena is emptied; the child's older, larger
     mapping of it must then still read the next (smaller, then larger) items right."""
@@ -418,7 +430,7 @@ def test_an_idle_child_that_dies_is_reaped_and_not_reported_alive(redis_url: str
 
 
 def test_a_timed_out_child_is_killed_before_its_arena_is_truncated(
-    monkeypatch: pytest.MonkeyPatch, redis_url: str
+    arena_only: None, monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:
     """A hung child is killed and reaped before its arena is dropped or trimmed: a child
     still reading its mapping of a truncated file would take SIGBUS (a core dump where they
@@ -503,8 +515,9 @@ def test_a_lost_writes_lease_is_ended_by_the_child(redis_url: str, raw: redis.Re
         cache.close()
 
 
+@pytest.mark.parametrize("peeking", [False, True], ids=["arena", "handed over"])
 def test_children_that_die_on_every_write_do_not_cost_every_write(
-    monkeypatch: pytest.MonkeyPatch, redis_url: str
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, peeking: bool
 ) -> None:
     """A writer process that answers ``ready`` but dies on each write (an environment the
     child cannot write from: a crashing extension, the OOM killer) is replaced once; after a
@@ -516,12 +529,14 @@ def test_children_that_die_on_every_write_do_not_cost_every_write(
         code = (
             "import os, sys\n"
             "from ec_redis.offload import child\n"
-            "child._serve = lambda *a: os._exit(7)\n"
+            "child._serve = child._serve_peek = lambda *a: os._exit(7)\n"
             "sys.exit(child.main(sys.argv[1:]))\n"
         )
         return [sys.executable, "-c", code, str(sock_fd), str(arena_fd)]
 
     monkeypatch.setattr(process_module, "command", dying_command)
+    if not peeking:
+        no_peeking(monkeypatch)
     cache = TieredCache.from_config(settings(redis_url))
     items = {f"img{i}": embedding(32, 32, seed=i) for i in range(2)}
     try:
@@ -544,6 +559,7 @@ def test_children_that_die_on_every_write_do_not_cost_every_write(
     )
     assert stats["process_starts"] == 3  # two for the first write, one per warm_writes after
     assert stats["process_fallback_writes"] == 3
+    assert stats["process_dispatched"] == (2 if peeking else 0)
 
 
 def test_the_childs_imports_do_not_come_from_the_working_directory(

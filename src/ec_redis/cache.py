@@ -90,6 +90,7 @@ class TieredCache:
                 config.write_queue_bytes,
                 config.writer_threads,
                 on_lost=self._write_lost,
+                dispatcher=self.process_sink,
             )
         self._closed = False
 
@@ -370,6 +371,13 @@ class TieredCache:
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait for pending Redis writes; False if ``timeout_s`` passed first."""
         return self.writer.flush(timeout_s) if self.writer is not None else True
+
+    def dispatch_writes(self, keys: Iterable[str]) -> list[str]:
+        """Hand the queued Redis writes of ``keys`` to writer processes now, from this (the
+        engine's) thread, without blocking: each one handed over lands with no thread of
+        this process needed (``offload/peek.py``). The keys handed over; none without writer
+        processes that read items where they are."""
+        return self.writer.dispatch(keys) if self.writer is not None else []
 
     def wait_written(self, keys: Iterable[str], timeout_s: float) -> bool:
         """Wait until the Redis writes of ``keys`` are done (stored, failed or dropped); False

@@ -10,6 +10,13 @@ the queue drops (full, or larger than the whole queue) is handed to ``on_lost`` 
 thread: the cache ends the item's single-flight lease, so other instances waiting for this
 write encode the item at their next look instead of at the lease's deadline. (A write the
 sink fails is not: Redis is what failed, and the waiters' own lookups meet that.)
+
+With a ``Dispatcher`` (writer processes that read an item where it is: ``offload/sink.py``)
+the engine's thread hands writes over itself: in ``submit`` when the dispatcher takes the
+write at once, later (``dispatch``, at the end of its step) for those queued meanwhile (a
+GPU item whose host copy was not ready). A write handed over skips the queue and a writer
+thread only collects its outcome; until then it is pending (read-your-writes) like any other.
+A queued write a writer thread took first is written the normal way.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
@@ -26,6 +34,14 @@ from ec_redis.tiers.transfer import HostCopy
 
 Sink = Callable[[str, HostCopy], bool]
 MAX_LOST = 4096  # lost writes awaiting on_lost (the oldest are forgotten: leases expire)
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, key: str, host: HostCopy) -> Any:
+        """Hand the write over now, without blocking; ``None`` if it cannot be."""
+
+    def finish(self, key: str, dispatched: Any) -> bool:
+        """The outcome of a write handed over (waits for it)."""
 
 
 @dataclass
@@ -42,8 +58,12 @@ class BackgroundWriter:
         max_bytes: int,
         threads: int = 1,
         on_lost: Callable[[str], object] | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self._sink = sink
+        self._dispatcher = dispatcher
+        self._dispatched: deque[tuple[str, HostCopy, Any]] = deque()  # outcomes to collect
+        self._handed: dict[str, HostCopy] = {}  # in flight through the dispatcher
         self._on_lost = on_lost
         self._lost: deque[str] = deque(maxlen=MAX_LOST)
         self._max_items = max_items
@@ -76,6 +96,9 @@ class BackgroundWriter:
             if old is not None:
                 self._queued_bytes -= old.nbytes
                 self.counters.inc("coalesced")
+            self.counters.inc("submitted")
+            if self._hand_over(key, host):  # in flight at once, never queued
+                return True
             while self._queue and (
                 len(self._queue) >= self._max_items or self._queued_bytes + nbytes > self._max_bytes
             ):
@@ -87,8 +110,23 @@ class BackgroundWriter:
                 self._log.warning("drop", "ec_redis: write queue full; dropped the oldest write")
             self._queue[key] = _Job(host, nbytes)
             self._queued_bytes += nbytes
-            self.counters.inc("submitted")
             self._cond.notify()
+        return True
+
+    def _hand_over(self, key: str, host: HostCopy) -> bool:
+        """(Under the lock.) Hand the write to the dispatcher now, if it takes it."""
+        if self._dispatcher is None:
+            return False
+        try:
+            dispatched = self._dispatcher.dispatch(key, host)
+        except Exception as exc:  # handing over is a shortcut: the queue takes the write
+            self._log.warning("dispatch", "ec_redis: cannot hand %r over: %r", key, exc)
+            return False
+        if dispatched is None:
+            return False
+        self._in_flight[key] = self._handed[key] = host
+        self._dispatched.append((key, host, dispatched))
+        self._cond.notify()
         return True
 
     def _lose(self, keys: list[str]) -> None:
@@ -96,6 +134,27 @@ class BackgroundWriter:
             if self._on_lost is not None and not self._closed:
                 self._lost.extend(keys)
                 self._cond.notify()
+
+    def dispatch(self, keys: Iterable[str]) -> list[str]:
+        """Hand the queued writes of ``keys`` over now (see the module docstring); the keys
+        whose writes are in flight through the dispatcher (handed now or before). Never
+        blocks on the network."""
+        if self._dispatcher is None:
+            return []
+        done: list[str] = []
+        with self._cond:  # held while handing over: no thread takes the job meanwhile
+            taken = not self._closed  # the dispatcher takes more
+            for key in keys:
+                job = self._queue.get(key)
+                if job is not None and taken and self._hand_over(key, job.host):
+                    del self._queue[key]
+                    self._queued_bytes -= job.nbytes
+                    done.append(key)
+                elif job is not None:
+                    taken = False  # none can take it now: the writer threads write these
+                elif key in self._handed:
+                    done.append(key)
+        return done
 
     def discard(self, key: str) -> None:
         """Forget a queued write of ``key`` (one already in flight still completes)."""
@@ -161,30 +220,40 @@ class BackgroundWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._lost and not self._closed:
+                while not (self._queue or self._lost or self._dispatched or self._closed):
                     self._cond.wait()
-                if self._closed:
+                if self._closed and not self._dispatched:
                     return
                 lost = list(self._lost)
                 self._lost.clear()
-                if not lost:
+                dispatched = self._dispatched.popleft() if self._dispatched else None
+                if dispatched is not None:
+                    key, host, handed = dispatched
+                elif not lost:
                     key, job = self._queue.popitem(last=False)
                     self._queued_bytes -= job.nbytes
-                    self._in_flight[key] = job.host
+                    self._in_flight[key] = host = job.host
             if lost:
                 self._report_lost(lost)
-                continue
+                if dispatched is None:
+                    continue
             try:
-                job.host.wait()  # the device->host copy, if any
-                ok = self._sink(key, job.host)
+                if dispatched is not None:
+                    assert self._dispatcher is not None
+                    ok = self._dispatcher.finish(key, handed)
+                else:
+                    host.wait()  # the device->host copy, if any
+                    ok = self._sink(key, host)
                 self.counters.inc("written" if ok else "failed")
             except Exception as exc:  # the writer must survive any bug in a sink
                 self.counters.inc("failed")
                 self._log.warning("sink", "ec_redis: write of %r failed: %r", key, exc)
             finally:
                 with self._cond:
-                    if self._in_flight.get(key) is job.host:
+                    if self._in_flight.get(key) is host:
                         del self._in_flight[key]
+                    if self._handed.get(key) is host:
+                        del self._handed[key]
                     self._cond.notify_all()
 
     def _report_lost(self, keys: list[str]) -> None:

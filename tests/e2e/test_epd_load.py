@@ -232,10 +232,14 @@ def test_every_counter_on_metrics_tells_what_happened_exactly_once(load_run: Loa
     for name in ("write_drops_total", "redis_write_errors_total", "redis_errors_total"):
         assert ec(encoder, name) == 0, name
     # The writes ran on the encoder's writer thread (writer_process is off by default).
-    writer = {n: load_run.encoder_after.ec(f"writer_{n}_total") for n in
-              ("process_starts", "process_deaths", "fallback_writes")}  # fmt: skip
+    names = ("process_starts", "process_deaths", "fallback_writes", "handed_over_writes")
+    writer = {n: load_run.encoder_after.ec(f"writer_{n}_total") for n in names}
+    print(f"encoder writer: {writer}")
     if os.environ.get("EC_REDIS_EPD_EXTRA") is None:
-        assert writer == {"process_starts": 0, "process_deaths": 0, "fallback_writes": 0}
+        assert writer == {
+            "process_starts": 0, "process_deaths": 0, "fallback_writes": 0,
+            "handed_over_writes": 0,
+        }  # fmt: skip
     assert ec(encoder, "skipped_encodes_total") == 0  # the images were new
     # PD: what it loaded, from where, and how long the loads took.
     assert ec(pd, "hits_redis_total") == images

@@ -229,6 +229,7 @@ def measure(
         if with_pd:
             pd.join(30)
         scheduler.shutdown()
+        _purge(url, namespace)  # every case writes GBs: a server of the bench's own fills up
     return StepRow(
         setting, role, load,
         percentile(steps_ms, 50), percentile(steps_ms, 99),
@@ -251,6 +252,16 @@ class _Output:
     """vLLM's ECConnectorOutput for the step: what the worker half reported."""
 
     ec_connector_worker_meta: ECRedisWorkerMetadata
+
+
+def _purge(url: str, namespace: str) -> None:
+    """Delete what a case wrote (its own namespace)."""
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(f"{namespace}:*", count=1000):
+            client.unlink(key)
+    finally:
+        client.close()
 
 
 def raw_set_get(url: str, nbytes: int, runs: int) -> list[float]:

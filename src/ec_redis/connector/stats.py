@@ -39,6 +39,7 @@ COUNTERS: dict[str, str] = {
     "writer_process_starts": "Writer processes started (Redis writes run outside the engine)",
     "writer_process_deaths": "Writer processes that died (mid-write or idle) or hung mid-write",
     "writer_fallback_writes": "Redis writes made on the engine's thread: no writer process was up",
+    "writer_handed_over_writes": "Redis writes handed to a writer process that read them in place",
     "rejected_items": "Fetched items refused because dtype/width/rows disagreed with the request",
     "local_fallbacks": "Items encoded locally because the cache could not provide them",
     "unavailable_requests": "Requests failed as retryable because an item was unavailable",
@@ -250,6 +251,7 @@ def write_counters(stats: dict[str, Any]) -> tuple[dict[str, float], dict[str, f
         "writer_process_starts": writer.get("process_starts", 0),
         "writer_process_deaths": writer.get("process_deaths", 0),
         "writer_fallback_writes": writer.get("process_fallback_writes", 0),
+        "writer_handed_over_writes": writer.get("process_dispatched", 0),
     }
     gauges = {"write_queue_depth": writer.get("queue_depth", 0)} if writer else {}
     return counters, gauges

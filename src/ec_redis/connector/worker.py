@@ -170,7 +170,7 @@ class WorkerSide:
         except Exception as exc:  # a failed save costs sharing, never the step
             self._log.warning("save", "ec_redis: cannot save %r: %r", key, exc)
             return False
-        if stored and self._save_wait_s > 0:
+        if stored:
             self._step_saves.append(key)
         return stored
 
@@ -185,7 +185,8 @@ class WorkerSide:
         return ECRedisWorkerMetadata(pending, step)
 
     def _await_step_saves(self) -> None:
-        """A pure producer's step ends once its saves are in Redis (at most ``save_wait_s``).
+        """Hand the step's saves over; a pure producer's step ends once those not handed to a
+        writer process are in Redis (at most ``save_wait_s``).
 
         vLLM answers a request right after the step that encoded it, and an EPD proxy then
         sends it to PD at once, so PD looks for the items at about the time this step ends.
@@ -194,10 +195,22 @@ class WorkerSide:
         between steps vLLM's worker spins on its input queue and the writer thread gets the
         GIL and a core only now and then, so PD gave up after ``consumer_wait_s`` and
         encoded the items itself. Waiting here releases the GIL and blocks the main thread,
-        so the writer runs at full speed; the step takes one Redis write longer."""
+        so the writer runs at full speed; the step takes one Redis write longer.
+
+        Writer processes that read an item where it is take the step's writes first, from
+        this thread, with one message each (``cache.dispatch_writes``): those land with no
+        thread of this process needed, so the step does not wait for them."""
         if not self._step_saves:
             return
         keys, self._step_saves = self._step_saves, []
+        try:
+            handed = set(self._cache.dispatch_writes(keys))
+        except Exception as exc:  # a shortcut only: the writes stay queued, and are waited for
+            self._log.warning("dispatch", "ec_redis: cannot hand writes over: %r", exc)
+            handed = set()
+        keys = [key for key in keys if key not in handed]
+        if not keys or self._save_wait_s <= 0:
+            return
         if self._cache.wait_written(keys, self._save_wait_s):
             return
         writer = self._cache.writer

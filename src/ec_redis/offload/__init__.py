@@ -8,6 +8,11 @@ processes map (``arena.py``, one copy that releases the GIL), sends one small me
 private socket (``wire.py``) and sleeps until the reply. Per item the parent takes the GIL a
 handful of times; the child takes none of the parent's.
 
+Where the child may read its parent's memory (``peek.py``: ``process_vm_readv``), the
+engine's own thread hands a write over instead (``sink.dispatch``, from ``put`` or at the end
+of its step): one message naming where the bytes are, no copy, no thread; a writer thread
+only collects the reply, and whoever needs the child first collects it.
+
 Everything else stays where it was: the bounded queue, coalescing, read-your-writes and the
 lost-write handling (``writer.py``); the versioned atomic entry and the breaker (the child's
 own ``RedisTier``, which also ends the leases of dropped writes); the counters, which the

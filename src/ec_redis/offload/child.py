@@ -7,13 +7,17 @@ with its fingerprint, then serves one request at a time until its parent is gone
 
 - ``{"op": "put", "id", "key", "dtype", "shape", "nbytes", "size"}``: write the item whose
   bytes the parent put at the start of the arena (``size``: the arena's size then);
+- ``{"op": "peek", "id", "key", "dtype", "shape", "nbytes", "address"}``: write the item whose
+  bytes are at ``address`` in the parent's memory, read from there (``peek.py``; only if
+  the probe of the setup message read back: ``ready`` says ``peek``). A read that fails
+  answers ``peek_failed`` and writes nothing;
 - ``{"op": "end_lease", "id", "key"}``: end the item's single-flight lease (its write was
   dropped), behind this process's breaker, which saw the writes;
 - ``{"op": "ping", "id"}``: answered at once (tests).
 
-Every reply is ``{"id", "ok", "counters", "breakers"}``: ``counters`` being what the tier
-counted for this request (the parent adds them to its own tier's, so each is counted once)
-and ``breakers`` its breakers' state after it.
+Every reply is ``{"id", "ok", "counters", "breakers"}`` (and ``peek_failed``), ``counters``
+being what the tier counted for this request (the parent adds them to its own tier's, so
+each is counted once) and ``breakers`` its breakers' state after it.
 
 It ignores SIGINT and SIGTERM (a Ctrl-C or a stop sent to the engine's process group must
 not cut a write short) and exits once its parent is gone: end of stream on its socket, or,
@@ -26,6 +30,7 @@ no sign of the parent's death.)
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import signal
@@ -33,8 +38,11 @@ import socket
 import sys
 from typing import Any
 
+import torch
+
 from ec_redis.cache import redis_tier
-from ec_redis.offload import handshake, wire
+from ec_redis.codec import destination
+from ec_redis.offload import handshake, peek, wire
 from ec_redis.offload.arena import ArenaView
 from ec_redis.redis_conn import make_client
 from ec_redis.tiers.redis_tier import RedisTier
@@ -57,15 +65,21 @@ def main(argv: list[str]) -> int:
         _answer(sock, {"op": "refused", "reason": reason})
         return 1
     config, identity = handshake.read(spec)
+    peeks = peek.probe_works(parent, spec.get("probe"))
     tier = redis_tier(config, identity, make_client(config))
     seen: dict[str, float] = {}
     try:
-        if not _answer(sock, {"op": "ready", "code": code}):
+        if not _answer(sock, {"op": "ready", "code": code, "peek": peeks}):
             return 1
         while (request := _next(sock, parent)) is not None:
-            ok = _serve(tier, arena, request)
-            reply = {"id": request.get("id"), "ok": ok, "counters": _delta(tier, seen),
+            if request.get("op") == "peek":
+                ok = _serve_peek(tier, parent, request) if peeks else None
+            else:
+                ok = _serve(tier, arena, request)
+            reply = {"id": request.get("id"), "ok": bool(ok), "counters": _delta(tier, seen),
                      "breakers": tier.breakers.stats()}  # fmt: skip
+            if ok is None:
+                reply["peek_failed"] = True
             if not _answer(sock, reply):
                 break  # the parent is gone
     finally:
@@ -120,6 +134,27 @@ def _serve(tier: RedisTier, arena: ArenaView, request: dict[str, Any]) -> bool:
         return tier.put(str(request["key"]), tensor)
     finally:
         del tensor  # the arena may be remapped for the next item
+
+
+def _serve_peek(tier: RedisTier, parent: int, request: dict[str, Any]) -> bool | None:
+    """Read the item out of the parent's memory and write it; ``None``: the read failed."""
+    try:
+        dtype = wire.DTYPES[request["dtype"]]
+        shape = [int(n) for n in request["shape"]]
+        nbytes, address = int(request["nbytes"]), int(request["address"])
+        key = str(request["key"])
+    except (KeyError, TypeError, ValueError):
+        return False  # a parent bug; the tier counts nothing for it
+    if nbytes != math.prod(shape) * dtype.itemsize or min(shape, default=0) < 0:
+        return False
+    if nbytes == 0:
+        return tier.put(key, torch.empty(shape, dtype=dtype))
+    buffer = destination.fresh(nbytes)  # recycled: the next item's read lands in it
+    try:
+        peek.read(parent, address, buffer.data_ptr(), nbytes)
+    except OSError:
+        return None
+    return tier.put(key, buffer.view(dtype).view(shape))
 
 
 def _delta(tier: RedisTier, seen: dict[str, float]) -> dict[str, float]:

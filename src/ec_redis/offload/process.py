@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 import ec_redis
-from ec_redis.offload import wire
+from ec_redis.offload import peek, wire
 from ec_redis.offload.arena import KEEP_BYTES, Arena
+
+_SEND_TIMEOUT_S = 1.0  # an idle child's socket has room for a request: never reached
 
 
 class ChildGone(Exception):
@@ -62,6 +64,8 @@ class WriterProcess:
         self.sock = ours
         self._theirs: socket.socket | None = theirs  # the child's end, until it has it
         self.capacity = 0  # the longest request its socket carries
+        self.peeks = False  # it reads items out of this process's memory (``peek.py``)
+        probe = peek.Probe()
         _LIVE.add(self)
         try:
             self.capacity = wire.capacity(ours)
@@ -72,11 +76,14 @@ class WriterProcess:
                 env=child_env(),
             )
             self.pidfd = _pidfd(self.proc.pid)
+            peek.allow(self.proc.pid)
             theirs.close()
             self._theirs = None
             ours.settimeout(start_timeout_s)
-            wire.send(ours, dict(spec))
-            _check_ready(wire.receive(ours), str(spec.get("code")))
+            wire.send(ours, {**spec, "probe": probe.spec()})
+            ready = wire.receive(ours)
+            _check_ready(ready, str(spec.get("code")))
+            self.peeks = ready.get("peek") is True
         except BaseException:
             theirs.close()
             self.kill()
@@ -97,9 +104,26 @@ class WriterProcess:
         self.arena.trim(KEEP_BYTES)  # answered: the child is done reading
         return reply
 
+    def send_peek(self, key: str, tensor: torch.Tensor) -> None:
+        """Ask the child to write ``tensor`` (contiguous, on the host) under ``key``, reading
+        its bytes where they are (``peek.py``); returns once the request is out, without
+        waiting. The caller keeps ``tensor`` alive and unchanged until ``await_reply``
+        returned or the child was killed. Raises like ``call``."""
+        self.send(
+            {"op": "peek", "key": key, "dtype": wire.dtype_name(tensor.dtype),
+             "shape": list(tensor.shape), "nbytes": tensor.numel() * tensor.element_size(),
+             "address": tensor.data_ptr()},
+            _SEND_TIMEOUT_S,
+        )  # fmt: skip
+
     def call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send ``request``, return the child's reply to it. ``wire.TooLarge``: not sent.
         ``ChildGone`` (or any other exception) once sent: ``in_flight`` stays set."""
+        self.send(request, timeout_s)
+        return self.await_reply(timeout_s)
+
+    def send(self, request: dict[str, Any], timeout_s: float) -> None:
+        """Send ``request`` (numbered here); ``in_flight`` from then on (see ``call``)."""
         if self.gone:
             raise ChildGone("the writer process was already given up")
         self._next_id += 1
@@ -114,7 +138,11 @@ class WriterProcess:
             raise
         except wire.WireError as exc:
             raise self._gone(str(exc)) from exc
+
+    def await_reply(self, timeout_s: float) -> dict[str, Any]:
+        """The reply to the request out (see ``call``)."""
         try:
+            self.sock.settimeout(timeout_s)
             reply = wire.receive(self.sock)
         except wire.WireError as exc:
             raise self._gone(str(exc)) from exc

@@ -8,6 +8,12 @@ after a valid reply to its last request; one that died, answered out of turn, st
 past ``reply_timeout_s`` or was left with a request out by any error here is killed and
 reaped, and only then is its arena dropped. Its write is retried once in a fresh child.
 
+An engine's main thread may also hand a write over itself (``dispatch``, at the end of its
+step): to an idle child that reads the item's bytes out of this process's memory
+(``peek.py``), with one message and no copy, so no thread of the engine is needed for the
+write to land; a writer thread later collects the reply (``finish``). A dispatch that finds
+no such child does nothing and the write takes the normal way.
+
 Writes run on the calling thread through ``fallback`` (counted) whenever no child can take
 them: none up yet, starts backed off, a request too large for the socket (a very long item
 id), or a retry that finds no child. Starts back off (``backoff.py``) after a start fails, and
@@ -34,7 +40,23 @@ from ec_redis.tiers.transfer import HostCopy
 
 Fallback = Callable[[str, HostCopy], bool]
 DEFAULT_BACKOFF = Backoff(base_s=10.0, max_s=600.0)
-_COUNTERS = ("starts", "start_failures", "deaths", "retried_writes", "fallback_writes")
+_COUNTERS = (
+    "starts", "start_failures", "deaths", "retried_writes", "fallback_writes", "dispatched",
+    "peek_failures",
+)  # fmt: skip
+
+
+class Dispatched:
+    """A write handed to ``child`` by ``dispatch``. Holds the host copy: its bytes stay alive
+    and where the child reads them until its reply is collected (``reply``, once: by the
+    writer thread in ``finish``, or earlier by any thread that needs the child)."""
+
+    def __init__(self, child: WriterProcess, host: HostCopy) -> None:
+        self.child = child
+        self.host = host
+        self.lock = threading.Lock()
+        self.collected = False
+        self.reply: dict[str, Any] | None = None  # None once collected: the child was lost
 
 
 class ProcessSink:
@@ -61,6 +83,7 @@ class ProcessSink:
         self._idle: list[WriterProcess] = []
         self._busy: set[WriterProcess] = set()
         self._exited_busy: set[WriterProcess] = set()  # seen dead mid-request: left to it
+        self._handed: dict[WriterProcess, Dispatched] = {}  # busy with a reply uncollected
         self._cond = threading.Condition()
         self._starting = 0
         self._starters: list[threading.Thread] = []
@@ -73,8 +96,10 @@ class ProcessSink:
         self._log = RateLimitedLog()
         self._watch = DeathWatch(self._watched, self._exited)
 
-    def __call__(self, key: str, host: HostCopy) -> bool:
-        for attempt in range(2):
+    def __call__(self, key: str, host: HostCopy, *, lost_once: bool = False) -> bool:
+        """Write ``key`` through a child (``lost_once``: a child was already lost with this
+        write, so this is its one retry)."""
+        for attempt in range(1 if lost_once else 0, 2):
             child = self._take(wait_for_start=attempt > 0)  # a retry waits for a start
             if child is None:  # none up (starting, backed off) or closed: write here
                 break
@@ -98,6 +123,73 @@ class ProcessSink:
             return bool(reply.get("ok"))
         self.counters.inc("fallback_writes")
         return self._fallback(key, host)
+
+    def dispatch(self, key: str, host: HostCopy) -> Dispatched | None:
+        """(The engine's main thread, never blocking.) Hand the write of ``key`` to an idle
+        child that reads the bytes where they are; ``None`` (nothing done) when none can,
+        or the bytes are not ready on the host yet."""
+        tensor = host.tensor
+        ready = host.ready is None or host.ready.query()  # type: ignore[no-untyped-call]
+        if not ready or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        child = self._take(start=False, peeking=True)
+        if child is None:
+            return None
+        try:
+            child.send_peek(key, tensor)
+        except wire.TooLarge:
+            self._release(child)
+            return None
+        except ChildGone as exc:
+            self._release(child)
+            self._died(child, f"while handing over {_shown(key)} ({exc})")
+            return None
+        except BaseException:
+            self._release(child)  # killed if its request went out
+            raise
+        self.counters.inc("dispatched")
+        dispatched = Dispatched(child, host)
+        with self._cond:
+            self._handed[child] = dispatched
+        return dispatched
+
+    def finish(self, key: str, dispatched: Dispatched) -> bool:
+        """(A writer thread.) The dispatched write's outcome: the child's reply; if the
+        child was lost or could not read the bytes, the write made the normal way."""
+
+        reply = self._collect(dispatched, key)
+        if reply is None:  # lost with the write: its one retry
+            return self(key, dispatched.host, lost_once=True)
+        if reply.get("peek_failed"):  # nothing written: the normal way, from the arena
+            self.counters.inc("peek_failures")
+            return self(key, dispatched.host)
+        with self._cond:
+            self._strikes.served()
+        return bool(reply.get("ok"))
+
+    def _collect(
+        self, dispatched: Dispatched, key: str = "a handed write"
+    ) -> dict[str, Any] | None:
+        """The reply to a handed write, collected once (``Dispatched``); ``None``: the child
+        was lost with it (killed, reaped, counted)."""
+
+        def collect(child: WriterProcess) -> dict[str, Any]:
+            reply = child.await_reply(self._reply_timeout_s)
+            if reply.get("peek_failed"):  # before the child is idle again: arena only now
+                child.peeks = False  # (e.g. a newer child took the Yama permission)
+            return reply
+
+        with dispatched.lock:
+            if not dispatched.collected:
+                try:
+                    what = f"while writing {_shown(key)}"
+                    dispatched.reply = self._ask(dispatched.child, what, collect)
+                finally:
+                    dispatched.collected = True
+                    with self._cond:
+                        if self._handed.get(dispatched.child) is dispatched:
+                            del self._handed[dispatched.child]
+            return dispatched.reply
 
     def end_lease(self, key: str) -> bool | None:
         """End the single-flight lease of ``key`` (its write was dropped) through an idle
@@ -160,21 +252,21 @@ class ProcessSink:
                 self._cond.wait(remaining)
         return True
 
-    def _take(self, *, wait_for_start: bool = False, start: bool = True) -> WriterProcess | None:
-        """An idle child. Else, while fewer than ``max_children`` exist, one is started on
-        another thread (``start``), and ``None`` is returned at once (a write never waits
-        for a start) unless ``wait_for_start``; with every child busy, the next one given
-        back. ``None`` while starting is backed off, or once closed."""
+    def _take(
+        self, *, wait_for_start: bool = False, start: bool = True, peeking: bool = False
+    ) -> WriterProcess | None:
+        """An idle child (``peeking``: one that reads items where they are, else ``None``).
+        Else, while fewer than ``max_children`` exist, one is started on another thread
+        (``start``), and ``None`` is returned at once (a write never waits for a start)
+        unless ``wait_for_start``; with every child busy, the next one given back. ``None``
+        while starting is backed off, or once closed."""
         with self._cond:
             while True:
                 if self._closed:
                     return None
-                while self._idle:
-                    child = self._idle.pop()
-                    if child.quiet():
-                        self._busy.add(child)
-                        return child
-                    self._reap(child)  # died idle, the watch has not seen it yet
+                child = self._idle_child(peeking)
+                if child is not None or peeking:
+                    return child
                 if not start:
                     return None
                 backed_off = self._strikes.backed_off()
@@ -182,7 +274,29 @@ class ProcessSink:
                     self._start_async()
                 if backed_off or (self._starting and not wait_for_start):
                     return None
+                handed = next(iter(self._handed.values()), None)
+                if handed is not None:
+                    # Every child busy, one with a handed write whose reply only a writer
+                    # thread collects, and this may be the only one: collect it here, so a
+                    # child comes back (never wait on a child nobody else gives back).
+                    self._cond.release()
+                    try:
+                        self._collect(handed)
+                    finally:
+                        self._cond.acquire()
+                    continue
                 self._cond.wait()
+
+    def _idle_child(self, peeking: bool) -> WriterProcess | None:
+        """(Under the lock.) The idle child given back last that is alive (``peeking``: and
+        reads items where they are), now busy; dead ones met on the way are reaped."""
+        for child in [c for c in reversed(self._idle) if c.peeks or not peeking]:
+            self._idle.remove(child)
+            if child.quiet():
+                self._busy.add(child)
+                return child
+            self._reap(child)  # died idle, the watch has not seen it yet
+        return None
 
     def _start_async(self) -> None:
         """(Under the lock.) Start one child on a thread of its own."""

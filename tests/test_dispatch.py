@@ -1,0 +1,339 @@
+"""Writes handed to a writer process by the engine's own thread (in ``put``, or at the end of
+its step: ``cache.dispatch_writes``; ``offload/peek.py``): the child reads the item's bytes
+out of this process's memory, so the step that saved it ends without waiting and no thread
+here is needed for the write to land. Real redis-server processes; a child that dies, cannot
+read, or a Redis that stops, costs neither a half-visible entry nor a lost write."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ec_redis import TieredCache
+from ec_redis.connector.worker import WorkerSide
+from ec_redis.embedded.server import EmbeddedRedis
+from ec_redis.offload import peek
+from ec_redis.offload import process as process_module
+from ec_redis.tiers.transfer import HostCopy
+from tests.conftest import bit_exact, embedding, emptied, paused, wait_for
+from tests.test_writer_process import settings as offload_settings
+
+pytestmark = pytest.mark.redis
+
+
+def settings(url: str, **more: Any) -> dict[str, Any]:
+    return offload_settings(url, **{"namespace": "handed", **more})
+
+
+def connected(url: str) -> TieredCache:
+    """A cache whose writer process is up and has written once (connected to Redis)."""
+    cache = TieredCache.from_config(settings(url))
+    assert cache.warm_writes(60), "the writer process never came up"
+    assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
+    return cache
+
+
+@pytest.fixture
+def writing(redis_url: str) -> Iterator[TieredCache]:
+    """A cache whose writer process is up and connected."""
+    cache = connected(redis_url)
+    yield cache
+    cache.close()
+
+
+def read_back(url: str, key: str) -> torch.Tensor | None:
+    other = TieredCache.from_config(settings(url, writer_process=False))
+    try:
+        return other.get(key)
+    finally:
+        other.close()
+
+
+def stat(cache: TieredCache, name: str) -> float:
+    stats = cache.stats()["writer"]
+    assert name in stats, f"{name} missing from {sorted(stats)}"
+    return float(stats[name])
+
+
+def arena_bytes(cache: TieredCache) -> int:
+    sink = cache.process_sink
+    assert sink is not None
+    with sink._cond:
+        return sum(c.arena.size for c in (*sink._idle, *sink._busy))
+
+
+def test_a_handed_write_is_read_from_this_process_and_lands_whole(
+    writing: TieredCache, redis_url: str
+) -> None:
+    """Every dtype the format carries, odd sizes and an empty tensor; the arena is never
+    used (the child read the bytes where they were), and the tensor may be dropped by
+    everyone else the moment it is handed over."""
+    items = {
+        "bf16": embedding(3000, 1024, seed=1),  # 6 MB: two chunks
+        "odd": torch.arange(7 * 13, dtype=torch.int16).reshape(7, 13),
+        "f32": torch.randn(5, 3, generator=torch.Generator().manual_seed(2)),
+        "empty": torch.empty(0, 64, dtype=torch.bfloat16),
+    }
+    expected = {key: tensor.clone() for key, tensor in items.items()}
+    for key, tensor in items.items():
+        assert writing.put(key, tensor)
+        assert writing.dispatch_writes([key, "never-saved"]) in ([key], [])  # [] once written
+        assert writing.flush(30)
+    del items, tensor
+    gc.collect()
+    assert stat(writing, "process_dispatched") == 5  # "warm", then these
+    assert stat(writing, "process_fallback_writes") == 0
+    assert stat(writing, "written") == 5
+    assert arena_bytes(writing) == 0
+    for key, tensor in expected.items():
+        assert bit_exact(read_back(redis_url, key), tensor), key
+
+
+def test_handing_over_never_waits_for_redis(private_redis: EmbeddedRedis) -> None:
+    """Redis stopped (SIGSTOP): handing a write over returns at once and the write lands
+    once Redis is back. Made on the writer thread instead, a write would block here until
+    the server answers."""
+    url = emptied(private_redis)
+    cache = TieredCache.from_config(settings(url))
+    try:
+        assert cache.warm_writes(60)
+        assert cache.put("warm", embedding(8, 8)) and cache.flush(30)  # connected
+        item = embedding(4096, 1024, seed=3)
+        with paused(private_redis):
+            started = time.monotonic()
+            assert cache.put("img", item)
+            handed_s = time.monotonic() - started
+            assert cache.dispatch_writes(["img"]) == ["img"]  # in flight through the child
+            assert stat(cache, "process_dispatched") == 2  # "warm", then this one
+            time.sleep(0.5)
+            assert cache.writer is not None and cache.writer.pending("img") is not None
+        assert handed_s < 1.0  # ~0.1 ms expected; the server stays stopped ≥ 0.5 s after
+        assert cache.flush(60)
+        assert bit_exact(read_back(url, "img"), item)
+    finally:
+        cache.close()
+
+
+def test_a_child_killed_in_a_handed_write_is_replaced_and_the_write_lands_whole(
+    private_redis: EmbeddedRedis,
+) -> None:
+    url = emptied(private_redis)
+    cache = connected(url)
+    try:
+        sink = cache.process_sink
+        assert sink is not None
+        (pid,) = sink.pids()
+        item = embedding(32768, 1024, seed=4)  # 64 MiB: the child blocks on the paused server
+        with paused(private_redis):
+            assert cache.put("big", item) and cache.dispatch_writes(["big"]) == ["big"]
+            assert stat(cache, "process_dispatched") == 2
+            time.sleep(1.0)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: stat(cache, "process_deaths") == 1, 30, "the death seen")
+        assert cache.flush(60)
+        assert stat(cache, "process_retried_writes") == 1
+        assert bit_exact(read_back(url, "big"), item)
+        assert sink.pids() and sink.pids()[0] != pid
+        assert cache.put("after", embedding(16, 16)) and cache.flush(30)  # engine unharmed
+    finally:
+        cache.close()
+
+
+def test_a_child_that_cannot_read_this_process_takes_writes_through_the_arena(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """Its probe reads back wrong (another uid, Yama ``ptrace_scope`` 2, a seccomp filter):
+    nothing is handed over and the write takes the arena, as before."""
+    real_spec = peek.Probe.spec
+    monkeypatch.setattr(peek.Probe, "spec", lambda self: {**real_spec(self), "hex": "00" * 32})
+    cache = TieredCache.from_config(settings(redis_url))
+    try:
+        assert cache.warm_writes(60)
+        item = embedding(512, 256, seed=5)
+        assert cache.put("img", item)
+        assert cache.dispatch_writes(["img"]) == []
+        assert cache.flush(30)
+        assert stat(cache, "process_dispatched") == 0
+        assert stat(cache, "written") == 1
+        assert stat(cache, "process_fallback_writes") == 0  # the child wrote it, from its arena
+        assert arena_bytes(cache) > 0
+        assert bit_exact(read_back(redis_url, "img"), item)
+    finally:
+        cache.close()
+
+
+def test_a_failed_read_falls_back_whole(
+    monkeypatch: pytest.MonkeyPatch, writing: TieredCache, redis_url: str
+) -> None:
+    """The child's read of a handed item fails (an address this process never mapped; in
+    life, another child took the Yama permission): it writes nothing and says so, the write
+    is made the normal way, and that child is handed nothing more."""
+
+    def wrong_address(self: Any, key: str, tensor: torch.Tensor) -> None:
+        self.send(
+            {"op": "peek", "key": key, "dtype": "bfloat16", "shape": list(tensor.shape),
+             "nbytes": tensor.numel() * 2, "address": 4096},
+            1.0,
+        )  # fmt: skip
+
+    item = embedding(256, 256, seed=6)
+    monkeypatch.setattr(process_module.WriterProcess, "send_peek", wrong_address)
+    assert writing.put("img", item)
+    assert stat(writing, "process_dispatched") == 2  # "warm", then this one
+    assert writing.flush(30)
+    assert stat(writing, "process_peek_failures") == 1
+    assert stat(writing, "process_deaths") == 0
+    assert bit_exact(read_back(redis_url, "img"), item)
+    assert writing.put("next", item) and writing.flush(30)
+    assert stat(writing, "process_dispatched") == 2  # that child is handed nothing more
+    assert bit_exact(read_back(redis_url, "next"), item)
+
+
+def test_an_encoder_step_does_not_wait_for_a_handed_write(private_redis: EmbeddedRedis) -> None:
+    """A pure producer's step ends once its saves are in Redis (``save_wait_s``) unless a
+    writer process took them from the step itself. Redis stopped: the step that hands its
+    save over ends at once; one that cannot (writer processes off) waits ``save_wait_s``."""
+    url = emptied(private_redis)
+    ended: dict[bool, float] = {}
+    for offload in (True, False):
+        cache = TieredCache.from_config(settings(url, writer_process=offload))
+        try:
+            worker = WorkerSide(
+                cache, torch.device("cpu"), is_producer=True, saves=True, save_wait_s=2.0
+            )
+            assert cache.warm_writes(60)
+            assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
+            item = embedding(2048, 1024, seed=7)
+            with paused(private_redis):
+                worker.save_caches({"mm-1": item}, "mm-1")
+                started = time.monotonic()
+                worker.worker_meta(None)
+                ended[offload] = time.monotonic() - started
+            assert cache.flush(60)
+            assert bit_exact(read_back(url, "mm-1"), item)
+            if offload:
+                assert stat(cache, "process_dispatched") == 2  # "warm", then the save
+            client_keys = cache.redis.client.keys("handed:*")  # type: ignore[union-attr]
+            for key in client_keys:
+                cache.redis.client.unlink(key)  # type: ignore[union-attr]
+        finally:
+            cache.close()
+    assert ended[False] >= 1.9  # waited save_wait_s for the stopped server
+    assert ended[True] < 0.4  # 5x under that, expected well under 10 ms
+
+
+def where(writer: Any) -> str:
+    """Where the writer threads are now (function names, innermost last)."""
+    frames = sys._current_frames()
+    out = []
+    for thread in writer._threads:
+        frame, names = frames.get(thread.ident), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        out.append(" > ".join(reversed(names[:6])))
+    return f"threads at {out}; dispatched outstanding: {len(writer._dispatched)}"
+
+
+class CopyEvent:
+    """Stands in for the CUDA event of a device->host copy still running: ``query`` says not
+    ready until ``done`` is set; ``synchronize`` (a writer thread's ``HostCopy.wait``) blocks
+    until then and says it is waiting."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waiting = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.waiting.set()
+        assert self.done.wait(30), "the test never finished the copy"
+
+
+def test_a_write_handed_over_while_the_writer_thread_holds_a_queued_one_does_not_deadlock(
+    redis_url: str,
+) -> None:
+    """A child holding a handed-over write is busy until its reply is collected, and the
+    writer thread that collects it may itself be inside ``ProcessSink.__call__`` for a queued
+    write, needing a child. With the default ``writer_threads: 1`` (one child) it once waited
+    there forever: both writes hung, every later one queued behind them. Whoever waits for a
+    child now collects a handed write's reply itself.
+
+    Set-up: item "a" is queued because its host copy is not ready (a GPU item; here a stand-in
+    event); the writer thread takes it and waits for the copy; meanwhile the step saves "b"
+    (a CPU item), which ``submit`` hands to the idle child at once. Both land."""
+    cache = connected(redis_url)
+    try:
+        writer = cache.writer
+        assert writer is not None
+        a, b = embedding(256, 256, seed=1), embedding(256, 256, seed=2)
+        event = CopyEvent()
+        assert writer.submit("a", HostCopy(a.clone(), event))  # type: ignore[arg-type]
+        assert event.waiting.wait(10), "the writer thread never took the queued write"
+        before = stat(cache, "process_dispatched")
+        assert cache.put("b", b)
+        assert stat(cache, "process_dispatched") == before + 1  # handed to the only child
+        event.done.set()  # the copy of "a" ends: the writer thread now writes it
+        landed = writer.wait_written(["a", "b"], 15)
+        assert landed, (
+            "deadlock: the writer thread waits in ProcessSink._take for the child that only "
+            f"it could give back (the handed write's reply never collected): {where(writer)}"
+        )
+        assert bit_exact(read_back(redis_url, "a"), a)
+        assert bit_exact(read_back(redis_url, "b"), b)
+    finally:
+        cache.close(2.0)  # closing the sink wakes the stuck _take
+
+
+def test_an_encoder_step_is_not_stalled_by_a_write_handed_over_at_its_end(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """The same through the worker half on a GPU (``_await_step_saves`` ->
+    ``dispatch_writes``): a step saves "a" and "b", both device->host copies still running at
+    ``put``. The writer thread takes "a" and waits for its copy; at the end of the step "b"'s
+    copy is done and ``dispatch_writes`` hands it to the only child; then "a"'s copy ends and
+    the writer thread waits in ``_take`` for that child forever. The step (``save_wait_s``
+    for "a") and every later one stall for the full ``save_wait_s``, and no write landed.
+    Now the step ends about when "a" lands (well under ``save_wait_s``), both land."""
+    cache = TieredCache.from_config(settings(redis_url))
+    try:
+        worker = WorkerSide(
+            cache, torch.device("cpu"), is_producer=True, saves=True, save_wait_s=3.0
+        )
+        assert cache.warm_writes(60)
+        assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
+        events: dict[int, CopyEvent] = {}
+
+        def to_host(tensor: torch.Tensor) -> HostCopy:
+            event = events.setdefault(len(events), CopyEvent())
+            return HostCopy(tensor.clone(), event)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(cache.transfer, "to_host", to_host)
+        a, b = embedding(256, 256, seed=3), embedding(256, 256, seed=4)
+        worker.save_caches({"mm-a": a}, "mm-a")
+        assert events[0].waiting.wait(10), "the writer thread never took the queued write"
+        worker.save_caches({"mm-b": b}, "mm-b")
+        events[1].done.set()  # "b"'s copy ended before the step's end
+        threading.Timer(0.3, events[0].done.set).start()  # "a"'s a little later
+        started = time.monotonic()
+        worker.worker_meta(None)
+        step_s = time.monotonic() - started
+        assert cache.writer is not None
+        landed = cache.writer.wait_written(["mm-a", "mm-b"], 10)
+        assert step_s < 2.0, f"the step stalled {step_s:.1f} s (save_wait_s=3)"
+        assert landed, "the writes never landed (writer thread stuck in ProcessSink._take)"
+        assert bit_exact(read_back(redis_url, "mm-a"), a)
+        assert bit_exact(read_back(redis_url, "mm-b"), b)
+    finally:
+        cache.close(2.0)
