@@ -11,7 +11,7 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,10 +30,11 @@ from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
 from ec_redis.tiers import bulk_read
 from ec_redis.tiers.layout import chunk_keys
-from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
+from ec_redis.tiers.redis_tier import RedisTier
 from ec_redis.tiers.transfer import HostCopy
 from tests.conftest import bits
 from tests.counters import count
+from tests.test_redis_tier import make_tier  # noqa: F401 (the fixture near_tier uses)
 
 KEYS = KeyBuilder("near", ModelIdentity("m"))
 MiB = 1 << 20
@@ -243,20 +244,9 @@ def test_fresh_memory_of_small_reads_is_torchs() -> None:
 
 
 @pytest.fixture
-def make_tier(redis_url: str) -> Iterator[Callable[..., RedisTier]]:
-    made: list[RedisTier] = []
-
-    def make(**options: Any) -> RedisTier:
-        options.setdefault("chunk_bytes", 1 * MiB)
-        tier = RedisTier(
-            make_client(CacheConfig(redis_url=redis_url)), KEYS, RedisTierOptions(**options)
-        )
-        made.append(tier)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.close()
+def near_tier(make_tier: Callable[..., RedisTier]) -> Callable[..., RedisTier]:  # noqa: F811
+    """Redis tiers of this module's keys, 1 MiB chunks unless told (closed after the test)."""
+    return lambda **options: make_tier(KEYS, **{"chunk_bytes": 1 * MiB, **options})
 
 
 def _value(raw: redis.Redis, key: str) -> bytes:
@@ -276,14 +266,14 @@ def _chunks(raw: redis.Redis, head: str) -> list[str]:
 
 @pytest.mark.redis
 def test_reads_land_checked_in_recycled_memory_and_never_alias(
-    make_tier: Callable[..., RedisTier], raw: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    near_tier: Callable[..., RedisTier], raw: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both read paths (a one-value entry received in place, a chunked one straight into the
     tensor) hash as the bytes land: no second pass over them. A tensor kept while the same
     sizes are read again is never overwritten; one dropped lends its memory to the next."""
     from ec_redis.codec import direct
 
-    tier = make_tier()
+    tier = near_tier()
     one = {k: bf16(200, seed=k) for k in (1, 2)}  # 400 KB: one value, received in place
     chunked = {k: bf16(2000, seed=k) for k in (3, 4)}  # 4 MB: head and 4 chunks
     for key, tensor in (one | chunked).items():
@@ -322,11 +312,11 @@ def test_reads_land_checked_in_recycled_memory_and_never_alias(
 @pytest.mark.redis
 @pytest.mark.parametrize("where", ["first", "at-step", "last"])
 def test_a_corrupt_byte_is_caught_as_it_lands(
-    make_tier: Callable[..., RedisTier], raw: redis.Redis, where: str
+    near_tier: Callable[..., RedisTier], raw: redis.Redis, where: str
 ) -> None:
     """A flipped byte in a stretch hashed early, at a stretch's edge, or in the tail hashed
     last, in a one-value entry received in place or in a chunk: a miss and ``bad_blobs``."""
-    tier = make_tier(chunk_bytes=4 * MiB)
+    tier = near_tier(chunk_bytes=4 * MiB)
     small = bf16(600, seed=5)  # 1.2 MB: one value
     large = bf16(3000, seed=6)  # 6 MB: head and 2 chunks
     assert tier.put("one", small) and tier.put("big", large)
@@ -348,11 +338,11 @@ def test_a_corrupt_byte_is_caught_as_it_lands(
 
 @pytest.mark.redis
 def test_a_truncated_chunk_after_a_whole_one_is_a_miss(
-    make_tier: Callable[..., RedisTier], raw: redis.Redis
+    near_tier: Callable[..., RedisTier], raw: redis.Redis
 ) -> None:
     """A chunk of the wrong length is skipped, not received: the running hash stops there and
     the entry is a bad blob (its bytes are never half-accepted)."""
-    tier = make_tier()
+    tier = near_tier()
     tensor = bf16(2000, seed=7)
     assert tier.put("t", tensor)
     keys = _chunks(raw, KEYS.head("t"))
@@ -396,14 +386,14 @@ def test_bulk_reads_report_every_landing_in_order(redis_url: str, raw: redis.Red
 @pytest.mark.redis
 @pytest.mark.parametrize("chunk_bytes", [8 * MiB, 1 * MiB], ids=["one-value", "chunked-direct"])
 def test_the_cpu_budget_counts_the_memory_a_read_tensor_really_pins(
-    make_tier: Callable[..., RedisTier], chunk_bytes: int
+    near_tier: Callable[..., RedisTier], chunk_bytes: int
 ) -> None:
     """What the CPU tier's budget counts of a read tensor (``HostCopy.nbytes``: its
     storage's bytes) is what it keeps resident. A recycled block was once rounded up to whole
     2 MiB huge pages while the tensor's storage covered only its own bytes: a tier of items
     just over 1 MiB held about twice its budget. Blocks are whole 4 KiB pages now, and a
     storage is its whole block (a reused block may be up to ``1/SLACK`` larger: counted)."""
-    tier = make_tier(chunk_bytes=chunk_bytes)
+    tier = near_tier(chunk_bytes=chunk_bytes)
     tensor = bf16(540, seed=1)  # 1,105,920 bytes: just over 1 MiB
     n = 32
     for k in range(n):
@@ -430,13 +420,13 @@ def test_the_cpu_budget_counts_the_memory_a_read_tensor_really_pins(
 
 @pytest.mark.redis
 def test_a_refused_memory_mapping_is_not_a_redis_outage_nor_the_batchs_miss(
-    make_tier: Callable[..., RedisTier], monkeypatch: pytest.MonkeyPatch
+    near_tier: Callable[..., RedisTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A recycled block is an anonymous ``mmap``, which the kernel may refuse (``ENOMEM``:
     ``vm.max_map_count`` reached, an overcommit limit). Then torch's allocator serves the
     buffer: the refusal is not a Redis fault (it would count ``errors``, feed the breaker and
     drop the connection) and no item of the batch is a miss for it."""
-    tier = make_tier(chunk_bytes=8 * MiB)
+    tier = near_tier(chunk_bytes=8 * MiB)
     big, small = bf16(1000, seed=2), bf16(8, seed=3)  # 2 MB one-value entry, a 16 KB one
     assert tier.put("big", big) and tier.put("small", small)
     destination.RECYCLER.clear()

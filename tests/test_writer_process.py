@@ -57,6 +57,22 @@ def no_peeking(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(peek.Probe, "spec", lambda self: {**real(self), "hex": "00" * 32})
 
 
+def children_patched(monkeypatch: pytest.MonkeyPatch, patch: str) -> None:
+    """Writer processes started from now on run ``patch`` (Python, with ``os``, ``sys``,
+    ``time`` and ``child``, the child module, imported) before serving."""
+
+    def command(sock_fd: int, arena_fd: int) -> list[str]:
+        code = (
+            "import os, sys, time\n"
+            "from ec_redis.offload import child\n"
+            f"{patch}"
+            "sys.exit(child.main(sys.argv[1:]))\n"
+        )
+        return [sys.executable, "-c", code, str(sock_fd), str(arena_fd)]
+
+    monkeypatch.setattr(process_module, "command", command)
+
+
 @pytest.fixture
 def arena_only(monkeypatch: pytest.MonkeyPatch) -> None:
     no_peeking(monkeypatch)
@@ -525,16 +541,7 @@ def test_children_that_die_on_every_write_do_not_cost_every_write(
     as later ones are: no write is lost, and not every write pays an interpreter + torch
     start-up."""
 
-    def dying_command(sock_fd: int, arena_fd: int) -> list[str]:
-        code = (
-            "import os, sys\n"
-            "from ec_redis.offload import child\n"
-            "child._serve = child._serve_peek = lambda *a: os._exit(7)\n"
-            "sys.exit(child.main(sys.argv[1:]))\n"
-        )
-        return [sys.executable, "-c", code, str(sock_fd), str(arena_fd)]
-
-    monkeypatch.setattr(process_module, "command", dying_command)
+    children_patched(monkeypatch, "child._serve = child._serve_peek = lambda *a: os._exit(7)\n")
     if not peeking:
         no_peeking(monkeypatch)
     cache = TieredCache.from_config(settings(redis_url))
@@ -696,20 +703,14 @@ def test_an_error_after_the_request_was_sent_never_lets_the_arena_be_refilled_un
     is still on the first request, and it would store the *second* item's bytes under the
     *first* item's id, with a valid checksum."""
 
-    def slow_command(sock_fd: int, arena_fd: int) -> list[str]:
-        code = (
-            "import sys, time\n"
-            "from ec_redis.offload import child\n"
-            "real = child.RedisTier.put\n"
-            "def put(self, key, tensor):\n"
-            "    time.sleep(2.0)  # descheduled before it reads the arena (a busy host)\n"
-            "    return real(self, key, tensor)\n"
-            "child.RedisTier.put = put\n"
-            "sys.exit(child.main(sys.argv[1:]))\n"
-        )
-        return [sys.executable, "-c", code, str(sock_fd), str(arena_fd)]
-
-    monkeypatch.setattr(process_module, "command", slow_command)
+    children_patched(
+        monkeypatch,
+        "real = child.RedisTier.put\n"
+        "def put(self, key, tensor):\n"
+        "    time.sleep(2.0)  # descheduled before it reads the arena (a busy host)\n"
+        "    return real(self, key, tensor)\n"
+        "child.RedisTier.put = put\n",
+    )
     cache = TieredCache.from_config(settings(redis_url))
     first = embedding(64, 64, seed=101)
     second = embedding(64, 64, seed=202)
