@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -337,3 +338,244 @@ def test_an_encoder_step_is_not_stalled_by_a_write_handed_over_at_its_end(
         assert bit_exact(read_back(redis_url, "mm-b"), b)
     finally:
         cache.close(2.0)
+
+
+def test_handing_over_wakes_no_thread_the_engines_thread_collects(
+    writing: TieredCache, redis_url: str
+) -> None:
+    """A writer thread woken by the hand-over took the GIL in the middle of the engine's step
+    (steps stalled by milliseconds on a busy machine). Now no thread here wakes for it: the
+    write lands, and its outcome waits until the engine's thread collects it, never
+    blocking (``collect_writes``, called at the end of every step)."""
+    writer = writing.writer
+    assert writer is not None
+    writer._collect_after_s = 60.0  # no writer thread collects it meanwhile
+    item = embedding(512, 256, seed=8)
+    written = stat(writing, "written")
+    assert writing.put("img", item)
+    assert stat(writing, "process_dispatched") == 2  # "warm", then this one
+    wait_for(lambda: bit_exact(read_back(redis_url, "img"), item), 30, "the write landing")
+    time.sleep(0.3)  # a thread woken at the hand-over would have collected it by now
+    assert writer.pending("img") is not None, "collected by a thread, not the engine's"
+    assert stat(writing, "written") == written
+    started = time.monotonic()
+    assert writing.collect_writes() == 1
+    assert time.monotonic() - started < 0.5  # no wait (~0.1 ms expected)
+    assert writer.pending("img") is None
+    assert stat(writing, "written") == written + 1  # counted once
+    assert writing.collect_writes() == 0
+
+
+def test_a_handed_write_nobody_collects_is_collected_by_a_writer_thread(
+    writing: TieredCache,
+) -> None:
+    """An engine that goes idle after handing a write over never calls ``collect_writes``
+    again: a writer thread collects the outcome after ``collect_after_s``, and ``flush``
+    collects at once whatever the delay."""
+    writer = writing.writer
+    assert writer is not None
+    written = stat(writing, "written")
+    writer._collect_after_s = 0.2
+    assert writing.put("a", embedding(64, 64, seed=9))
+    wait_for(lambda: writer.pending("a") is None, 10, "a writer thread collecting it")
+    assert stat(writing, "written") == written + 1
+    writer._collect_after_s = 600.0
+    assert writing.put("b", embedding(64, 64, seed=10))
+    started = time.monotonic()
+    assert writing.flush(30)
+    assert time.monotonic() - started < 10  # not collect_after_s (600 s)
+    assert stat(writing, "written") == written + 2
+
+
+def test_the_engines_thread_never_frees_a_written_item(writing: TieredCache) -> None:
+    """When the engine dropped its own reference first, the cache holds the item's last one,
+    and freeing 16 MiB costs milliseconds (``munmap``, the GIL held). Collected on the
+    engine's thread, the host copy is dropped by a writer thread instead."""
+    writer = writing.writer
+    assert writer is not None
+    writer._collect_after_s = 0.3
+    assert writing.put("img", embedding(4096, 2048, seed=11))  # 16 MiB, only the cache's
+    host = writer.pending("img")
+    assert host is not None
+    freed_on: list[str] = []
+    weakref.finalize(host, lambda: freed_on.append(threading.current_thread().name))
+    del host
+    wait_for(lambda: writer.collect() == 1, 30, "the engine's thread collecting it")
+    assert freed_on == [], "freed on the engine's thread"
+    wait_for(lambda: bool(freed_on), 10, "a writer thread dropping it")
+    assert freed_on != [threading.main_thread().name]
+
+
+def test_a_child_lost_with_a_handed_write_is_retried_off_the_engines_thread(
+    private_redis: EmbeddedRedis,
+) -> None:
+    """The child dies with a handed write (SIGKILL, Redis stopped so it is mid-write): the
+    engine's thread sees that without blocking and leaves the retry to a writer thread at
+    once (not after ``collect_after_s``); the write lands whole."""
+    url = emptied(private_redis)
+    cache = connected(url)
+    try:
+        writer, sink = cache.writer, cache.process_sink
+        assert writer is not None and sink is not None
+        writer._collect_after_s = 600.0
+        (pid,) = sink.pids()
+        item = embedding(8192, 1024, seed=12)  # 16 MiB
+        with paused(private_redis):
+            assert cache.put("img", item)
+            assert stat(cache, "process_dispatched") == 2
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+            took: list[float] = []
+
+            def step() -> int:  # an engine step's end: collect, never waiting
+                started = time.monotonic()
+                taken = cache.collect_writes()
+                took.append(time.monotonic() - started)
+                return taken
+
+            # (The socket shows the death once every thread of the child has exited.)
+            wait_for(lambda: step() == 0 and stat(cache, "process_retried_writes") == 1, 30)
+            assert max(took) < 0.5  # never blocked (~0.1 ms expected; a retry waits for
+            # a child's start, 1-3 s, and then for the stopped server)
+            assert writer.pending("img") is not None  # the retry waits for the server
+        wait_for(lambda: writer.pending("img") is None, 30, "the retry landing")
+        assert stat(cache, "written") == 2  # "warm", then this one: counted once
+        assert bit_exact(read_back(url, "img"), item)
+    finally:
+        cache.close()
+
+
+def waiting_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` sleeps in a Condition.wait called from ``function``."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return (
+        frame is not None
+        and any(f.f_code.co_name == "wait" for f in _stack(frame)[:3])
+        and any(f.f_code.co_name == function for f in _stack(frame)[:4])
+    )
+
+
+def _stack(frame: Any) -> list[Any]:
+    out = []
+    while frame is not None:
+        out.append(frame)
+        frame = frame.f_back
+    return out
+
+
+def test_a_writer_thread_that_looks_for_a_child_while_it_is_being_handed_a_write_is_not_stranded(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """``ProcessSink.dispatch`` takes the idle child (now busy), sends the peek request and
+    only then registers it in ``_handed`` -- without notifying ``_cond``. A writer thread
+    (writer_threads: 1, one child) whose queued write's copy ends in that window enters
+    ``_take``: no idle child, no room to start one, no handed write to collect yet ->
+    ``self._cond.wait()`` with no timeout. Nobody notifies it until someone else releases
+    the child: the engine's ``collect``. An engine that then waits (``wait_written`` in
+    ``_await_step_saves``, ``flush``) or goes idle strands both writes: the writer thread's
+    due/urgent collection (this change's fallback for an idle engine) never runs because the
+    only writer thread is inside the sink.
+
+    Expected: both writes land while the engine's thread only waits. Current code: the wait
+    times out (the writer thread sleeps in ProcessSink._take until cache.close)."""
+    cache = connected(redis_url)
+    try:
+        writer = cache.writer
+        assert writer is not None
+        (thread,) = writer._threads
+        a, b = embedding(256, 256, seed=1), embedding(256, 256, seed=2)
+        event = CopyEvent()
+        assert writer.submit("a", HostCopy(a.clone(), event))  # type: ignore[arg-type]
+        assert event.waiting.wait(10), "the writer thread never took the queued write"
+        real = process_module.WriterProcess.send_peek
+
+        def send_peek(self: Any, key: str, tensor: torch.Tensor) -> None:
+            # The engine's thread holds the child (busy, not yet in _handed); the copy of
+            # "a" ends now and the writer thread looks for a child.
+            event.done.set()
+            wait_for(lambda: waiting_in(thread, "_take"), 5, "the writer thread in _take")
+            real(self, key, tensor)
+
+        monkeypatch.setattr(process_module.WriterProcess, "send_peek", send_peek)
+        assert cache.put("b", b)
+        assert stat(cache, "process_dispatched") == 2  # "warm", then "b"
+        monkeypatch.undo()
+        landed = writer.wait_written(["a", "b"], 8)  # the engine's thread only waits
+        assert landed, f"stranded: {where(writer)}"
+        assert bit_exact(read_back(redis_url, "a"), a)
+        assert bit_exact(read_back(redis_url, "b"), b)
+    finally:
+        cache.close(2.0)  # closing the sink wakes the stranded _take
+
+
+def test_collect_never_kills_or_reaps_a_child_on_the_engines_thread(redis_url: str) -> None:
+    """A handed write's child answers out of turn (a protocol break; here: the parent's
+    request counter bumped so the real reply's id mismatches). ``collect`` on the engine's
+    thread sees data on the socket (``answered``), collects it via ``_collect`` -> ``_ask``
+    -> ChildGone -> ``_release`` -> ``child.stop`` -> ``kill``: SIGKILL then
+    ``proc.wait(10.0)`` -- the engine's step blocks until the live child is dead and reaped
+    (ms for a process with torch imported; up to 10 s for one in D state), then the
+    arena is unmapped and a warning logged, all on the engine's thread. The same path runs
+    for a child seen at end of stream. ``settle`` is documented as never blocking.
+
+    Expected: the engine's thread leaves a broken/lost child to a writer thread. Current
+    code: ``WriterProcess.kill`` runs on the main thread inside ``collect_writes``."""
+    cache = connected(redis_url)
+    killed_on: list[str] = []
+    real_kill = process_module.WriterProcess.kill
+
+    def kill(self: Any) -> None:
+        killed_on.append(threading.current_thread().name)
+        real_kill(self)
+
+    try:
+        writer = cache.writer
+        assert writer is not None
+        writer._collect_after_s = 600.0  # no writer thread collects it meanwhile
+        item = embedding(512, 256, seed=3)
+        assert cache.put("img", item)
+        assert stat(cache, "process_dispatched") == 2
+        (entry,) = list(writer._dispatched)
+        child = entry.dispatched.child
+        child._next_id += 1  # the reply on its way is now out of turn
+        wait_for(child.answered, 30, "the child's reply")
+        process_module.WriterProcess.kill = kill  # type: ignore[method-assign]
+        started = time.monotonic()
+        cache.collect_writes()
+        took_s = time.monotonic() - started
+        assert threading.main_thread().name not in killed_on, (
+            f"the engine's thread killed and reaped the child in collect ({took_s * 1e3:.1f} ms)"
+        )
+    finally:
+        process_module.WriterProcess.kill = real_kill  # type: ignore[method-assign]
+        cache.close(5.0)
+
+
+@pytest.mark.parametrize("collect_after_s", [0.0, 0.002, 0.02])
+def test_every_handed_write_is_counted_once_and_lands(
+    redis_url: str, collect_after_s: float
+) -> None:
+    cache = TieredCache.from_config(settings(redis_url, writer_threads=2, write_queue_items=1000))
+    try:
+        assert cache.warm_writes(60)
+        writer = cache.writer
+        assert writer is not None
+        assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
+        writer._collect_after_s = collect_after_s
+        items = {f"k{i}": embedding(128, 512, seed=i) for i in range(80)}
+        for n, (key, item) in enumerate(items.items()):
+            assert cache.put(key, item)
+            if n % 3 == 0:
+                cache.dispatch_writes([key])
+            cache.collect_writes()
+        assert cache.flush(60)
+        assert writer._dispatched == type(writer._dispatched)()
+        written, failed = writer.counters.get("written"), writer.counters.get("failed")
+        assert writer.counters.get("dropped") == 0
+        assert written + failed == 81, (written, failed)
+        assert failed == 0
+        assert writer.depth() == (0, 0)
+        for key, item in items.items():
+            assert bit_exact(read_back(redis_url, key), item), key
+    finally:
+        cache.close()

@@ -379,6 +379,12 @@ class TieredCache:
         processes that read items where they are."""
         return self.writer.dispatch(keys) if self.writer is not None else []
 
+    def collect_writes(self) -> int:
+        """Take the outcomes of writes handed to writer processes that are done, on this (the
+        engine's) thread, without blocking (``writer.py``: handing over wakes no thread);
+        how many."""
+        return self.writer.collect() if self.writer is not None else 0
+
     def wait_written(self, keys: Iterable[str], timeout_s: float) -> bool:
         """Wait until the Redis writes of ``keys`` are done (stored, failed or dropped); False
         if ``timeout_s`` passed first."""

@@ -14,9 +14,18 @@ sink fails is not: Redis is what failed, and the waiters' own lookups meet that.
 With a ``Dispatcher`` (writer processes that read an item where it is: ``offload/sink.py``)
 the engine's thread hands writes over itself: in ``submit`` when the dispatcher takes the
 write at once, later (``dispatch``, at the end of its step) for those queued meanwhile (a
-GPU item whose host copy was not ready). A write handed over skips the queue and a writer
-thread only collects its outcome; until then it is pending (read-your-writes) like any other.
-A queued write a writer thread took first is written the normal way.
+GPU item whose host copy was not ready). A write handed over skips the queue; until its
+outcome is collected it is pending (read-your-writes) like any other. A queued write a
+writer thread took first is written the normal way.
+
+Handing over wakes no thread here: a thread woken in the middle of the engine's step would
+take the GIL from it, and on a machine whose cores are busy (the writer process and Redis
+are then running too) it can be descheduled while holding it, which stalled steps by
+milliseconds. The engine's thread collects the outcomes itself, without blocking, in its
+next ``submit`` or ``collect`` (the connector calls it at the end of every step); a writer
+thread collects those still out after ``collect_after_s`` (an engine gone idle, a reply that
+needs a write made here: a child lost or unable to read), and at once for ``flush`` and
+``wait_written``.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +44,7 @@ from ec_redis.tiers.transfer import HostCopy
 
 Sink = Callable[[str, HostCopy], bool]
 MAX_LOST = 4096  # lost writes awaiting on_lost (the oldest are forgotten: leases expire)
+COLLECT_AFTER_S = 0.5  # a handed write's outcome left to a writer thread after this long
 
 
 class Dispatcher(Protocol):
@@ -43,11 +54,26 @@ class Dispatcher(Protocol):
     def finish(self, key: str, dispatched: Any) -> bool:
         """The outcome of a write handed over (waits for it)."""
 
+    def settle(self, key: str, dispatched: Any) -> str:
+        """Never blocks: ``"written"`` or ``"failed"`` once the outcome of a write handed
+        over is in and needs nothing more; ``"waiting"`` until then; ``"writer"`` when a
+        writer thread's ``finish`` must complete it."""
+
 
 @dataclass
 class _Job:
     host: HostCopy
     nbytes: int
+
+
+@dataclass(eq=False)
+class _Handed:
+    """A write handed over, its outcome not collected yet."""
+
+    key: str
+    host: HostCopy
+    dispatched: Any  # the dispatcher's handle
+    due: float  # monotonic time from which a writer thread collects it
 
 
 class BackgroundWriter:
@@ -59,11 +85,16 @@ class BackgroundWriter:
         threads: int = 1,
         on_lost: Callable[[str], object] | None = None,
         dispatcher: Dispatcher | None = None,
+        collect_after_s: float = COLLECT_AFTER_S,
     ) -> None:
         self._sink = sink
         self._dispatcher = dispatcher
-        self._dispatched: deque[tuple[str, HostCopy, Any]] = deque()  # outcomes to collect
+        self._collect_after_s = collect_after_s
+        self._dispatched: deque[_Handed] = deque()  # outcomes to collect, oldest first
+        self._urgent = 0  # threads waiting for writes: handed outcomes are collected at once
         self._handed: dict[str, HostCopy] = {}  # in flight through the dispatcher
+        self._spent: list[HostCopy] = []  # collected by the engine's thread, dropped by ours
+        self._spent_bytes = 0
         self._on_lost = on_lost
         self._lost: deque[str] = deque(maxlen=MAX_LOST)
         self._max_items = max_items
@@ -71,7 +102,9 @@ class BackgroundWriter:
         self._queue: OrderedDict[str, _Job] = OrderedDict()
         self._queued_bytes = 0
         self._in_flight: dict[str, HostCopy] = {}
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # writes done (flush, wait_written)
+        self._work = threading.Condition(lock)  # work for the writer threads
         self._closed = False
         self.counters = Counters()
         self._log = RateLimitedLog()
@@ -85,6 +118,7 @@ class BackgroundWriter:
     def submit(self, key: str, host: HostCopy) -> bool:
         """Queue a write; never blocks. Returns False if the writer is closed or it is too big."""
         nbytes = host.nbytes
+        self.collect()  # a child whose last handed write is done can take this one
         if nbytes > self._max_bytes:
             self.counters.inc("dropped_too_large")
             self._lose([key])
@@ -110,7 +144,7 @@ class BackgroundWriter:
                 self._log.warning("drop", "ec_redis: write queue full; dropped the oldest write")
             self._queue[key] = _Job(host, nbytes)
             self._queued_bytes += nbytes
-            self._cond.notify()
+            self._work.notify()
         return True
 
     def _hand_over(self, key: str, host: HostCopy) -> bool:
@@ -125,15 +159,70 @@ class BackgroundWriter:
         if dispatched is None:
             return False
         self._in_flight[key] = self._handed[key] = host
-        self._dispatched.append((key, host, dispatched))
-        self._cond.notify()
+        due = time.monotonic() + self._collect_after_s
+        self._dispatched.append(_Handed(key, host, dispatched, due))  # no thread woken
         return True
+
+    def collect(self) -> int:
+        """(The engine's thread.) Take the outcomes of handed writes whose replies are in and
+        need nothing more, without blocking; the number taken. The rest stay for later or
+        for a writer thread (woken for a reply that needs a write made here)."""
+        if self._dispatcher is None:
+            return 0
+        with self._cond:
+            handed = list(self._dispatched)
+        if not handed:
+            return 0
+        outcomes: list[str] = []
+        for entry in handed:
+            try:
+                outcomes.append(self._dispatcher.settle(entry.key, entry.dispatched))
+            except Exception as exc:  # a writer thread's ``finish`` deals with it
+                self._log.warning("collect", "ec_redis: cannot collect a write: %r", exc)
+                outcomes.append("writer")
+        taken = 0
+        with self._cond:
+            for entry, outcome in zip(handed, outcomes, strict=True):
+                if entry not in self._dispatched:  # a writer thread took it meanwhile (and
+                    self._spend(entry.host)  # counts it): this may be the last reference
+                elif outcome == "writer":  # due now: a writer thread completes it
+                    entry.due = 0.0
+                    self._work.notify()
+                elif outcome != "waiting":
+                    self._dispatched.remove(entry)
+                    self.counters.inc("written" if outcome == "written" else "failed")
+                    self._done(entry.key, entry.host)
+                    self._spend(entry.host)
+                    taken += 1
+            if taken:
+                self._cond.notify_all()
+        return taken
+
+    def _spend(self, host: HostCopy) -> None:
+        """(Under the lock.) Keep a written host copy for a writer thread to drop: when it is
+        the last reference to the item (the engine dropped its own), freeing it costs
+        milliseconds (``munmap``, with the GIL held), which the engine's step must not pay.
+        Dropped at the writer thread's next wake (within ``collect_after_s``), at once when
+        half the queue's budget is held this way."""
+        if self._closed:
+            return  # no writer thread to drop it any more
+        self._spent.append(host)
+        self._spent_bytes += host.nbytes
+        if self._spent_bytes > self._max_bytes // 2:
+            self._work.notify()
+
+    def _done(self, key: str, host: HostCopy) -> None:
+        """(Under the lock.) The write of ``host`` under ``key`` is no longer in flight."""
+        if self._in_flight.get(key) is host:
+            del self._in_flight[key]
+        if self._handed.get(key) is host:
+            del self._handed[key]
 
     def _lose(self, keys: list[str]) -> None:
         with self._cond:
             if self._on_lost is not None and not self._closed:
                 self._lost.extend(keys)
-                self._cond.notify()
+                self._work.notify()
 
     def dispatch(self, keys: Iterable[str]) -> list[str]:
         """Hand the queued writes of ``keys`` over now (see the module docstring); the keys
@@ -141,6 +230,7 @@ class BackgroundWriter:
         blocks on the network."""
         if self._dispatcher is None:
             return []
+        self.collect()  # a child whose last handed write is done can take one of these
         done: list[str] = []
         with self._cond:  # held while handing over: no thread takes the job meanwhile
             taken = not self._closed  # the dispatcher takes more
@@ -173,7 +263,7 @@ class BackgroundWriter:
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write is done; False if ``timeout_s`` passed first."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._urgency():
             while self._queue or self._in_flight:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -181,13 +271,25 @@ class BackgroundWriter:
                 self._cond.wait(remaining)
         return True
 
+    @contextmanager
+    def _urgency(self) -> Iterator[None]:
+        """The lock, held by a thread waiting for writes: handed outcomes are collected at
+        once meanwhile (a writer thread is woken for them)."""
+        with self._cond:
+            self._urgent += 1
+            self._work.notify_all()
+            try:
+                yield
+            finally:
+                self._urgent -= 1
+
     def wait_written(self, keys: Iterable[str], timeout_s: float) -> bool:
         """Wait until none of ``keys`` is queued or being written (stored, failed or dropped);
         False if ``timeout_s`` passed first. Waiting releases the GIL: the writer threads run
         at full speed meanwhile."""
         wanted = set(keys)
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._urgency():
             while any(key in self._queue or key in self._in_flight for key in wanted):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -203,7 +305,9 @@ class BackgroundWriter:
             abandoned = len(self._queue)
             self._queue.clear()
             self._queued_bytes = 0
+            self._spent, self._spent_bytes = [], 0
             self._cond.notify_all()
+            self._work.notify_all()
         self.counters.inc("abandoned_on_close", abandoned)
         deadline = time.monotonic() + max(timeout_s, 0.1)
         for thread in self._threads:
@@ -217,44 +321,78 @@ class BackgroundWriter:
     def threads_alive(self) -> int:
         return sum(t.is_alive() for t in self._threads)
 
+    def _due(self) -> _Handed | None:
+        """(Under the lock.) The handed write a writer thread collects now, if any."""
+        now = time.monotonic()
+        for entry in self._dispatched:
+            if self._closed or self._urgent or entry.due <= now:
+                self._dispatched.remove(entry)
+                return entry
+        return None
+
+    def _idle_wait_s(self) -> float | None:
+        """(Under the lock.) How long a writer thread with nothing to do sleeps: until the
+        oldest handed write is due, checked every ``collect_after_s`` (handing over wakes no
+        thread), or until woken when nothing is handed."""
+        if self._dispatcher is None:
+            return None
+        if self._dispatched:
+            due = min(entry.due for entry in self._dispatched)
+            return min(self._collect_after_s, max(0.001, due - time.monotonic()))
+        return self._collect_after_s
+
     def _run(self) -> None:
-        while True:
+        while self._one():
+            pass  # each write's locals (its host copy) go when ``_one`` returns
+
+    def _one(self) -> bool:
+        """Wait for one piece of work and do it; False once closed."""
+        with self._cond:
+            while not (self._queue or self._lost or self._closed):
+                self._drop_spent()
+                dispatched = self._due()
+                if dispatched is not None:
+                    break
+                self._work.wait(self._idle_wait_s())
+            else:
+                dispatched = self._due()
+            self._drop_spent()
+            if self._closed and dispatched is None:
+                return False
+            lost = list(self._lost)
+            self._lost.clear()
+            if dispatched is not None:
+                key, host, handed = dispatched.key, dispatched.host, dispatched.dispatched
+            elif not lost:
+                key, job = self._queue.popitem(last=False)
+                self._queued_bytes -= job.nbytes
+                self._in_flight[key] = host = job.host
+        if lost:
+            self._report_lost(lost)
+            if dispatched is None:
+                return True
+        try:
+            if dispatched is not None:
+                assert self._dispatcher is not None
+                ok = self._dispatcher.finish(key, handed)
+            else:
+                host.wait()  # the device->host copy, if any
+                ok = self._sink(key, host)
+            self.counters.inc("written" if ok else "failed")
+        except Exception as exc:  # the writer must survive any bug in a sink
+            self.counters.inc("failed")
+            self._log.warning("sink", "ec_redis: write of %r failed: %r", key, exc)
+        finally:
             with self._cond:
-                while not (self._queue or self._lost or self._dispatched or self._closed):
-                    self._cond.wait()
-                if self._closed and not self._dispatched:
-                    return
-                lost = list(self._lost)
-                self._lost.clear()
-                dispatched = self._dispatched.popleft() if self._dispatched else None
-                if dispatched is not None:
-                    key, host, handed = dispatched
-                elif not lost:
-                    key, job = self._queue.popitem(last=False)
-                    self._queued_bytes -= job.nbytes
-                    self._in_flight[key] = host = job.host
-            if lost:
-                self._report_lost(lost)
-                if dispatched is None:
-                    continue
-            try:
-                if dispatched is not None:
-                    assert self._dispatcher is not None
-                    ok = self._dispatcher.finish(key, handed)
-                else:
-                    host.wait()  # the device->host copy, if any
-                    ok = self._sink(key, host)
-                self.counters.inc("written" if ok else "failed")
-            except Exception as exc:  # the writer must survive any bug in a sink
-                self.counters.inc("failed")
-                self._log.warning("sink", "ec_redis: write of %r failed: %r", key, exc)
-            finally:
-                with self._cond:
-                    if self._in_flight.get(key) is host:
-                        del self._in_flight[key]
-                    if self._handed.get(key) is host:
-                        del self._handed[key]
-                    self._cond.notify_all()
+                self._done(key, host)
+                self._cond.notify_all()
+        return True
+
+    def _drop_spent(self) -> None:
+        """(Under the lock, on a writer thread.) Drop the host copies ``collect`` kept."""
+        if self._spent:
+            self._spent = []  # freed here, on this thread
+            self._spent_bytes = 0
 
     def _report_lost(self, keys: list[str]) -> None:
         """``on_lost`` for each key; after one that fails (Redis unwell), none: their leases

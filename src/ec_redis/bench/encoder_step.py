@@ -4,7 +4,12 @@ vLLM's own shared-memory broadcast queue (``MessageQueue``) and spins on it betw
 vLLM's workers do. (vLLM's queue pickles the step's metadata: that is vLLM's transport.)
 
 Each step encodes one new item (a fresh tensor of ``--mib`` MiB, made untimed in the worker
-as the encoder would) and saves it. Timed: every connector hook of the step on both halves —
+as the encoder would) and saves it. The worker is set up as vLLM's is: once warm, its GC heap
+is frozen (vLLM's ``freeze_gc_heap``, which its workers and engine core call after start-up),
+and the stand-in encoder runs on one thread: torch's OpenMP workers keep spinning on the
+other core for a while after a parallel op, which on this 2-core VM took the core the hooks
+needed (save_caches p99 5-8 ms with them, 0.6 ms without); a GPU encoder leaves no host
+thread spinning. Timed: every connector hook of the step on both halves —
 ``ensure_cache_available``, ``has_cache_item``, ``update_state_after_alloc``,
 ``build_connector_meta``, ``update_connector_output``, ``request_finished`` on the scheduler
 half; ``bind_connector_metadata``, ``start_load_caches``, ``save_caches``,
@@ -23,6 +28,7 @@ one core busy.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import tempfile
@@ -63,6 +69,8 @@ class StepRow:
     visible_p99_ms: float | None
     raw_p50_ms: float  # raw SET + GET of the same bytes
     raw_p99_ms: float
+    gc_steps: int = 0  # steps whose worker hooks the garbage collector paused
+    gc_max_ms: float = 0.0  # the longest such pause
 
 
 def half(model_dir: str, role: str, side: str, extra: dict[str, Any]) -> Any:
@@ -86,13 +94,17 @@ def half(model_dir: str, role: str, side: str, extra: dict[str, Any]) -> Any:
 def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: Any) -> None:
     """The worker process: vLLM's spin on the broadcast queue between steps, then the step."""
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.utils.gc_utils import freeze_gc_heap
 
+    torch.set_num_threads(1)  # the stand-in encoder: no OpenMP workers left spinning
     connector = half(model_dir, role, "worker", extra)
     # the writer process is started with the worker half; time the steady state, not its start
     if not connector._worker._cache.warm_writes(120):
         raise RuntimeError("the writer process never came up")
     queue = MessageQueue.create_from_handle(handle, 0)
     queue.wait_until_ready()
+    freeze_gc_heap()  # as vLLM's worker does once warm
+    gc_pauses = _GcPauses()
     rows = 0
     while True:
         message = queue.dequeue()
@@ -101,6 +113,7 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
         mm_hash, rows, seed, meta = message
         tensor = activation_like(rows, WIDTH, seed=seed)  # the encoder's output (untimed)
         timings: dict[str, float] = {}
+        gc_pauses.seconds = 0.0
         started = time.perf_counter()
         connector.bind_connector_metadata(meta)
         timings["bind"] = time.perf_counter() - started
@@ -119,11 +132,27 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
         started = time.perf_counter()
         connector.clear_connector_metadata()
         timings["clear"] = time.perf_counter() - started
+        gc_s = gc_pauses.seconds  # pauses of the collector inside the timed hooks
         out.send_bytes(json.dumps({
-            "timings": timings, "saved_at": saved_at,
+            "timings": timings, "saved_at": saved_at, "gc_s": gc_s,
             "pending": worker_meta.pending_writes, "loaded_step": worker_meta.loaded_step,
         }).encode())  # fmt: skip
     connector.shutdown()
+
+
+class _GcPauses:
+    """Seconds the garbage collector ran since ``seconds`` was last reset (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
 
 
 def _pd(model_dir: str, extra: dict[str, Any], inbox: Any, out: Any) -> None:
@@ -176,12 +205,16 @@ def measure(
     if with_pd:
         pd.start()
     scheduler = half(model_dir, role, "scheduler", extra)
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()  # as vLLM's engine core does once started
     queue.wait_until_ready()
     if with_pd:
         pd_out_receive.recv_bytes()
     rows = int(mib * 2**20) // (2 * WIDTH)
     steps_ms: list[float] = []
     saves_ms: list[float] = []
+    gc_ms: list[float] = []
     visible_ms: list[float] = []
     try:
         with _load(load):
@@ -218,6 +251,7 @@ def measure(
                     continue
                 steps_ms.append((sched_s + sum(reply["timings"].values())) * 1e3)
                 saves_ms.append(reply["timings"]["save_caches"] * 1e3)
+                gc_ms.append(reply["gc_s"] * 1e3)
                 if with_pd:
                     visible_ms.append(seen * 1e3)
         raw = raw_set_get(url, rows * WIDTH * 2, steps)
@@ -237,6 +271,7 @@ def measure(
         percentile(visible_ms, 50) if visible_ms else None,
         percentile(visible_ms, 99) if visible_ms else None,
         percentile(raw, 50), percentile(raw, 99),
+        sum(ms > 0 for ms in gc_ms), max(gc_ms, default=0.0),
     )  # fmt: skip
 
 
@@ -320,8 +355,8 @@ def run(url: str, mib: float, steps: int, progress: Callable[[str], None]) -> li
 def render(rows: list[StepRow]) -> str:
     lines = [
         "| load | role | code | step hooks p50 ms | p99 ms | save_caches p50 ms | p99 ms "
-        "| PD sees it p50 ms | p99 ms | raw SET+GET p50 ms | p99 ms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| PD sees it p50 ms | p99 ms | raw SET+GET p50 ms | p99 ms | GC in hooks: steps, max ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         seen = (
@@ -332,6 +367,6 @@ def render(rows: list[StepRow]) -> str:
         lines.append(
             f"| {r.load} | {r.role} | {r.setting} | {r.step_p50_ms:.2f} | {r.step_p99_ms:.2f} "
             f"| {r.save_p50_ms:.3f} | {r.save_p99_ms:.3f} | {seen} "
-            f"| {r.raw_p50_ms:.1f} | {r.raw_p99_ms:.1f} |"
+            f"| {r.raw_p50_ms:.1f} | {r.raw_p99_ms:.1f} | {r.gc_steps}, {r.gc_max_ms:.2f} |"
         )
     return "\n".join(lines)

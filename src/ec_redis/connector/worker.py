@@ -177,8 +177,11 @@ class WorkerSide:
     def worker_meta(self, meta: Any) -> ECRedisWorkerMetadata:
         """Queued writes, and the step whose metadata this rank just ran (its loads are done,
         so the scheduler half may drop their staged files). Called at the end of every step
-        (V1 and V2), after its saves: a pure producer first waits for them to land."""
+        (V1 and V2), after its saves: a pure producer first waits for them to land. Writes
+        handed over earlier whose outcomes are in are collected here (never waiting)."""
         self._await_step_saves()
+        if self._saves:
+            self._collect_writes()
         writer = self._cache.writer
         pending = writer.depth()[0] if writer is not None and self._saves else 0
         step = meta.step if isinstance(meta, ECRedisMetadata) else -1
@@ -220,6 +223,12 @@ class WorkerSide:
             "save-wait", "ec_redis: %d saved item(s) not in Redis after save_wait_s=%s; "
             "the encoder answers before PD can find them", late, self._save_wait_s,
         )  # fmt: skip
+
+    def _collect_writes(self) -> None:
+        try:
+            self._cache.collect_writes()
+        except Exception as exc:  # a shortcut only: a writer thread collects them later
+            self._log.warning("collect", "ec_redis: cannot collect handed writes: %r", exc)
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.add(name, value)

@@ -10,8 +10,10 @@ handful of times; the child takes none of the parent's.
 
 Where the child may read its parent's memory (``peek.py``: ``process_vm_readv``), the
 engine's own thread hands a write over instead (``sink.dispatch``, from ``put`` or at the end
-of its step): one message naming where the bytes are, no copy, no thread; a writer thread
-only collects the reply, and whoever needs the child first collects it.
+of its step): one message naming where the bytes are, no copy, no thread woken. The engine's
+thread collects the reply itself once it is in, without blocking (``sink.settle``); a writer
+thread collects it when it needs more (a retry) or is left out too long, and whoever needs
+the child first collects it.
 
 Everything else stays where it was: the bounded queue, coalescing, read-your-writes and the
 lost-write handling (``writer.py``); the versioned atomic entry and the breaker (the child's

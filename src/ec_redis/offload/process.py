@@ -151,6 +151,11 @@ class WriterProcess:
         self.in_flight = False
         return reply
 
+    def answered(self) -> bool:
+        """Whether a reply (or end of stream) waits on its socket; never blocks. False for a
+        child already given up (its writer thread's ``await_reply`` says so)."""
+        return not (self.gone or self.sock.fileno() < 0 or self.quiet())
+
     def quiet(self) -> bool:
         """For an idle child: nothing waits on its socket. An idle child sends nothing, so
         anything there (end of stream, above all) means it is dead or broken."""

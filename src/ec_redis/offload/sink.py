@@ -11,7 +11,9 @@ reaped, and only then is its arena dropped. Its write is retried once in a fresh
 An engine's main thread may also hand a write over itself (``dispatch``, at the end of its
 step): to an idle child that reads the item's bytes out of this process's memory
 (``peek.py``), with one message and no copy, so no thread of the engine is needed for the
-write to land; a writer thread later collects the reply (``finish``). A dispatch that finds
+write to land; its reply is collected later, without blocking, by the engine's thread
+(``settle``) or, when that needs a write made here or takes too long, by a writer thread
+(``finish``; ``writer.py``). A dispatch that finds
 no such child does nothing and the write takes the normal way.
 
 Writes run on the calling thread through ``fallback`` (counted) whenever no child can take
@@ -27,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from ec_redis.breaker import CLOSED
 from ec_redis.logutil import RateLimitedLog
@@ -39,6 +41,7 @@ from ec_redis.stats import Counters
 from ec_redis.tiers.transfer import HostCopy
 
 Fallback = Callable[[str, HostCopy], bool]
+Settled = Literal["written", "failed", "waiting", "writer"]
 DEFAULT_BACKOFF = Backoff(base_s=10.0, max_s=600.0)
 _COUNTERS = (
     "starts", "start_failures", "deaths", "retried_writes", "fallback_writes", "dispatched",
@@ -57,6 +60,7 @@ class Dispatched:
         self.lock = threading.Lock()
         self.collected = False
         self.reply: dict[str, Any] | None = None  # None once collected: the child was lost
+        self.broken: ChildGone | None = None  # seen by ``settle``: a writer thread ends it
 
 
 class ProcessSink:
@@ -151,6 +155,7 @@ class ProcessSink:
         dispatched = Dispatched(child, host)
         with self._cond:
             self._handed[child] = dispatched
+            self._cond.notify_all()  # a writer thread waiting in _take for a child collects it
         return dispatched
 
     def finish(self, key: str, dispatched: Dispatched) -> bool:
@@ -167,6 +172,40 @@ class ProcessSink:
             self._strikes.served()
         return bool(reply.get("ok"))
 
+    def settle(self, key: str, dispatched: Dispatched) -> Settled:
+        """(The engine's thread, never blocking.) The outcome of a handed write if its reply
+        is in: ``"written"`` or ``"failed"`` (Redis refused it); ``"waiting"``: not in yet,
+        or another thread is collecting it; ``"writer"``: it needs more than this thread
+        does, which ``finish`` on a writer thread does: a write made here (the child could
+        not read the bytes; the reply taken here is kept for it), or a child to kill and
+        reap first (it died, or broke the protocol: nothing waits for a process here)."""
+        if not dispatched.lock.acquire(blocking=False):
+            return "waiting"  # another thread is collecting it
+        try:
+            if not dispatched.collected:
+                child = dispatched.child
+                if dispatched.broken is not None or self._closed:
+                    return "writer"
+                if not child.answered():
+                    return "waiting"
+                try:
+                    answer = child.await_reply(self._reply_timeout_s)  # in: returns at once
+                except ChildGone as exc:
+                    dispatched.broken = exc
+                    return "writer"
+                _note_peek(child, answer)
+                self._accept(child, answer)
+                dispatched.reply, dispatched.collected = answer, True
+                self._unhand(dispatched)
+            reply = dispatched.reply
+        finally:
+            dispatched.lock.release()
+        if reply is None or reply.get("peek_failed"):
+            return "writer"
+        with self._cond:
+            self._strikes.served()
+        return "written" if reply.get("ok") else "failed"
+
     def _collect(
         self, dispatched: Dispatched, key: str = "a handed write"
     ) -> dict[str, Any] | None:
@@ -174,9 +213,10 @@ class ProcessSink:
         was lost with it (killed, reaped, counted)."""
 
         def collect(child: WriterProcess) -> dict[str, Any]:
+            if dispatched.broken is not None:  # seen by ``settle``, ended here
+                raise dispatched.broken
             reply = child.await_reply(self._reply_timeout_s)
-            if reply.get("peek_failed"):  # before the child is idle again: arena only now
-                child.peeks = False  # (e.g. a newer child took the Yama permission)
+            _note_peek(child, reply)
             return reply
 
         with dispatched.lock:
@@ -186,10 +226,13 @@ class ProcessSink:
                     dispatched.reply = self._ask(dispatched.child, what, collect)
                 finally:
                     dispatched.collected = True
-                    with self._cond:
-                        if self._handed.get(dispatched.child) is dispatched:
-                            del self._handed[dispatched.child]
+                    self._unhand(dispatched)
             return dispatched.reply
+
+    def _unhand(self, dispatched: Dispatched) -> None:
+        with self._cond:
+            if self._handed.get(dispatched.child) is dispatched:
+                del self._handed[dispatched.child]
 
     def end_lease(self, key: str) -> bool | None:
         """End the single-flight lease of ``key`` (its write was dropped) through an idle
@@ -229,10 +272,14 @@ class ProcessSink:
             if child.in_flight:
                 self._died(child, f"to an error here ({exc!r})", strike=False)
             raise
+        self._accept(child, reply)
+        return reply
+
+    def _accept(self, child: WriterProcess, reply: dict[str, Any]) -> None:
+        """A valid reply from ``child``: it goes back to the pool, its counters are added."""
         self._release(child)
         self._add(reply["counters"])
         self._breakers(reply.get("breakers"))
-        return reply
 
     def warm(self) -> None:
         """Start a child now, on a thread of its own, so that the first write finds it."""
@@ -429,6 +476,13 @@ class ProcessSink:
                 self._reap(child)
             out["process_alive"] = float(len(self._idle) + len(self._busy))
         return out
+
+
+def _note_peek(child: WriterProcess, reply: dict[str, Any]) -> None:
+    """A child whose read failed is handed nothing more (e.g. a newer child took the Yama
+    permission): set before it is idle again, so it takes writes through its arena only."""
+    if reply.get("peek_failed"):
+        child.peeks = False
 
 
 def _shown(key: str) -> str:
