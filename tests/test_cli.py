@@ -254,6 +254,13 @@ def test_bench_quick_prints_ratios_against_raw_redis(
     ops = {r["op"] for r in rows}
     assert {"redis put (encode+SET)", "redis get (GET+verify)"} <= ops
     assert all(r["ratio"] > 0 for r in rows if r["baseline"].startswith("raw"))
+    sockets = report["reports"][0]["sockets"]
+    assert sockets, "no raw-socket baseline was measured"
+    for row in sockets:  # the reading thread's CPU: measured (never 0), and within the wall
+        for cpu, wall in (("get_cpu_ms", "get_ms"), ("one_cpu_ms", "one_ms"),
+                          ("pieces_cpu_ms", "pieces_ms"), ("raw_cpu_ms", "raw_ms")):  # fmt: skip
+            # a thread cannot use more CPU than the time that passes (+ a perf_counter call)
+            assert 0 < row[cpu] <= row[wall] * 1.01 + 0.05, (cpu, wall, row)
 
 
 @pytest.mark.valkey

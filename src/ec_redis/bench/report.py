@@ -43,8 +43,8 @@ def render_sockets(report: Report) -> list[str]:
     lines = [
         "| item | size (MiB) | tier get MB/s | raw socket, one value MB/s | raw socket, pieces "
         "pipelined MB/s | tier / faster raw | raw redis-py GET MB/s | tier / redis-py "
-        "| tier get, tensors kept MB/s | kept / faster raw |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tier get, tensors kept MB/s | kept / faster raw | client CPU ms, tier / faster raw |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in report.sockets:
         mb = s.mib * 2**20 / 1e3  # MB per second from ms
@@ -52,14 +52,17 @@ def render_sockets(report: Report) -> list[str]:
             f"| {s.item} | {s.mib:.1f} | {mb / s.get_ms:.0f} | {mb / s.one_ms:.0f} "
             f"| {mb / s.pieces_ms:.0f} ({s.pieces}) | {s.ratio:.2f}x "
             f"| {mb / s.redis_py_ms:.0f} | {s.redis_py_ratio:.2f}x "
-            f"| {mb / s.kept_ms:.0f} | {s.kept_ratio:.2f}x |"
+            f"| {mb / s.kept_ms:.0f} | {s.kept_ratio:.2f}x "
+            f"| {s.get_cpu_ms:.2f} / {s.raw_cpu_ms:.2f} |"
         )
     lines += [
         "",
         "MB/s = 10^6 bytes/s at the median; raw socket: a minimal RESP client recv_into a "
         "pre-faulted buffer (bench/raw_socket.py), one key or the tier's pieces (count) "
         "pipelined; tier get: each read's tensor dropped before the next (its memory "
-        "recycled); tensors kept: every read lands in memory never used before",
+        "recycled); tensors kept: every read lands in memory never used before; client CPU: "
+        "the reading thread's CPU time (median), which waiting and the server's work do not "
+        "count",
     ]
     return lines
 

@@ -95,6 +95,7 @@ def _redis_rows(
     part = part_size(tier.options.chunk_bytes)  # the tier's pieces: the same bytes as N keys
     piece_keys = [f"{raw_key}:piece:{i}" for i in range(-(-len(payload) // part))]
     sock = socket.client(raw, raw_key)
+    one_key, piece_names = raw_key.encode(), [k.encode() for k in piece_keys]  # not timed
     into = prefaulted(len(payload)) if sock is not None else None
 
     def clear() -> None:
@@ -116,9 +117,10 @@ def _redis_rows(
 
     def get() -> None:  # steady state: each read's tensor is dropped before the next read
         check(tier.get("item"))  # untimed, and dropped (as a connector does once the tensor
-        start = time.perf_counter()  # is on the GPU): its memory is free for this read
-        read = tier.get("item")
+        start, cpu = time.perf_counter(), time.thread_time()  # is on the GPU): its memory
+        read = tier.get("item")  # is free for this read
         samples["get"].append(time.perf_counter() - start)
+        samples["get_cpu"].append(time.thread_time() - cpu)
         check(read)
 
     def get_kept() -> None:  # every tensor kept: each read lands in memory never used before
@@ -141,23 +143,25 @@ def _redis_rows(
 
     def sock_one() -> None:
         assert sock is not None and into is not None
-        start = time.perf_counter()
-        size = sock.read_one(raw_key.encode(), into)
+        start, cpu = time.perf_counter(), time.thread_time()
+        size = sock.read_one(one_key, into)
         samples["sock_one"].append(time.perf_counter() - start)
+        samples["sock_one_cpu"].append(time.thread_time() - cpu)
         if size != len(payload) or into != payload:
             raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
 
     def sock_pieces() -> None:
         assert sock is not None and into is not None
-        start = time.perf_counter()
-        size = sock.read_pieces([k.encode() for k in piece_keys], into)
+        start, cpu = time.perf_counter(), time.thread_time()
+        size = sock.read_pieces(piece_names, into)
         samples["sock_pieces"].append(time.perf_counter() - start)
+        samples["sock_pieces_cpu"].append(time.thread_time() - cpu)
         if size != len(payload) or into != payload:
             raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
 
     samples: dict[str, list[float]] = {
         "raw_set": [], "put": [], "raw_get": [], "get": [], "get_kept": [], "sock_one": [],
-        "sock_pieces": [],
+        "sock_pieces": [], "get_cpu": [], "sock_one_cpu": [], "sock_pieces_cpu": [],
     }  # fmt: skip
     kept: list[torch.Tensor | None] = []
     reads = [raw_get, get, *([get_kept, sock_one, sock_pieces] if sock is not None else [])]
@@ -198,6 +202,9 @@ def _redis_rows(
         pieces_ms=ms["sock_pieces"],
         pieces=len(piece_keys),
         redis_py_ms=ms["raw_get"],
+        get_cpu_ms=ms["get_cpu"],
+        one_cpu_ms=ms["sock_one_cpu"],
+        pieces_cpu_ms=ms["sock_pieces_cpu"],
     )
 
 
