@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
@@ -26,6 +26,8 @@ from ec_redis.tiers.layout import part_size
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 
 Progress = Callable[[str], None]
+
+T = TypeVar("T")
 
 
 def _stderr(message: str) -> None:
@@ -115,13 +117,18 @@ def _redis_rows(
     def raw_get() -> None:
         samples["raw_get"].append(_time(lambda: raw.get(raw_key)))
 
+    def timed(name: str, read: Callable[[], T]) -> T:
+        """``read()``, its wall time into ``samples[name]`` and this thread's CPU time into
+        ``samples[name + "_cpu"]``."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = read()
+        samples[name].append(time.perf_counter() - start)
+        samples[f"{name}_cpu"].append(time.thread_time() - cpu)
+        return out
+
     def get() -> None:  # steady state: each read's tensor is dropped before the next read
         check(tier.get("item"))  # untimed, and dropped (as a connector does once the tensor
-        start, cpu = time.perf_counter(), time.thread_time()  # is on the GPU): its memory
-        read = tier.get("item")  # is free for this read
-        samples["get"].append(time.perf_counter() - start)
-        samples["get_cpu"].append(time.thread_time() - cpu)
-        check(read)
+        check(timed("get", lambda: tier.get("item")))  # is on the GPU): its memory is free
 
     def get_kept() -> None:  # every tensor kept: each read lands in memory never used before
         destination.RECYCLER.clear()
@@ -143,19 +150,13 @@ def _redis_rows(
 
     def sock_one() -> None:
         assert sock is not None and into is not None
-        start, cpu = time.perf_counter(), time.thread_time()
-        size = sock.read_one(one_key, into)
-        samples["sock_one"].append(time.perf_counter() - start)
-        samples["sock_one_cpu"].append(time.thread_time() - cpu)
+        size = timed("sock_one", lambda: sock.read_one(one_key, into))
         if size != len(payload) or into != payload:
             raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
 
     def sock_pieces() -> None:
         assert sock is not None and into is not None
-        start, cpu = time.perf_counter(), time.thread_time()
-        size = sock.read_pieces(piece_names, into)
-        samples["sock_pieces"].append(time.perf_counter() - start)
-        samples["sock_pieces_cpu"].append(time.thread_time() - cpu)
+        size = timed("sock_pieces", lambda: sock.read_pieces(piece_names, into))
         if size != len(payload) or into != payload:
             raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
 
