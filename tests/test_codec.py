@@ -218,7 +218,13 @@ def test_encode_parts_splits_a_large_raw_blob_and_both_decoders_agree() -> None:
     head = read_header(parts[0])
     assert head.codec_name == "none"
     assert head.part_bytes == part_bytes
-    assert len(parts[0]) < 512  # header + producer + safetensors prefix only
+    # the head is the blob's first part: header, producer, safetensors prefix, first data
+    # (as much data as fits with the largest producer info: the same cut whatever it holds)
+    lead = head.payload_offset + head.raw_len - head.tensor_nbytes
+    in_head = part_bytes - (lead - (head.payload_offset - HEADER_SIZE)) - MAX_PRODUCER_BYTES
+    assert len(parts[0]) == lead + in_head <= part_bytes
+    data = tensor.view(-1).view(torch.uint8).numpy().tobytes()
+    assert bytes(parts[0][lead:]) == data[:in_head]
     data_parts = parts[1:]
     assert all(len(p) == part_bytes for p in data_parts[:-1])
     assert 0 < len(data_parts[-1]) <= part_bytes
@@ -232,12 +238,13 @@ def test_encode_parts_splits_a_large_raw_blob_and_both_decoders_agree() -> None:
 
 def test_encode_parts_splits_a_compressed_payload() -> None:
     tensor = torch.zeros(512, 512, dtype=torch.float32)
-    parts = encode_parts(tensor, compression="lz4", part_bytes=256)
+    parts = encode_parts(tensor, compression="lz4", part_bytes=2048)
     assert len(parts) > 2
     head = read_header(parts[0])
     assert head.codec_name == "lz4"
-    assert len(parts[0]) == head.payload_offset  # the compressed payload is all in data parts
-    assert all(0 < len(p) <= 256 for p in parts[1:])
+    # the head is the blob's first part: the header, then the compressed payload's first bytes
+    assert head.payload_offset < len(parts[0]) <= 2048
+    assert all(0 < len(p) <= 2048 for p in parts[1:])
     assert_identical(decode_parts(parts), tensor)
     assert_identical(decode_blob(b"".join(parts)), tensor)
 
@@ -878,3 +885,15 @@ def test_fuzz_missing_extra_and_reordered_parts(index: int, data: st.DataObject)
         return
     assert same_bytes  # equal parts may swap places; anything else must be refused
     assert_identical(got, PART_TENSORS[index])
+
+
+def test_a_tensor_is_cut_into_the_same_chunks_whatever_its_producer_info() -> None:
+    """The producer info holds a timestamp (and an id) of varying length: the payload the head
+    carries, and so every chunk, must not move with it (a replayed run stores the same keys)."""
+    tensor = embedding(2048, 256)
+    cuts = [
+        encode_parts(tensor, part_bytes=64 * 1024, producer_id=pid, created_s=ts, write_id=7)
+        for pid, ts in [("", 1.0), ("p", 1234567.891), ("x" * 300, 17.5), ("y" * 5000, 2.0)]
+    ]
+    assert len({len(parts) for parts in cuts}) == 1
+    assert all([bytes(p) for p in parts[1:]] == [bytes(p) for p in cuts[0][1:]] for parts in cuts)

@@ -203,15 +203,16 @@ def test_two_writers_two_readers_one_item(
 def test_a_shrinking_rewrite_retires_the_old_chunks_within_the_grace(
     make_tier: Callable[..., RedisTier], raw: redis.Redis
 ) -> None:
-    """20 MiB (six 4 MiB chunks), then 3 MiB (one value), with ``ttl_s: 0``: the old head's
-    chunks get the grace TTL at the switch and are gone after it; nothing else lingers."""
+    """20 MiB (a 4 MiB head and five 4 MiB chunks), then 3 MiB (one value), with
+    ``ttl_s: 0``: the old head's chunks get the grace TTL at the switch and are gone after
+    it; nothing else lingers."""
     tier = make_tier(chunk_bytes=4 * MiB)
     big = torch.randn(20 * MiB // 2, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     small = bf16(3 * MiB // 1024, seed=4)
     head = KEYS.head("x")
     assert tier.put("x", big)
     first = named(raw, head)
-    assert len(first) == 1 + 6
+    assert len(first) == 1 + 5
     assert {raw.pttl(k) for k in first} == {-1}
 
     assert tier.put("x", small)
@@ -264,7 +265,7 @@ def test_a_write_whose_switch_fails_leaves_keys_that_expire(
     assert broken.put("item", bf16(500, seed=6)) is False
     assert broken.stats()["write_errors"] == 1
     left = all_keys(raw) - before
-    assert len(left) == 10  # the failed write's head value and nine chunks (500 rows)
+    assert len(left) == 9  # the failed write's head value and eight chunks (500 rows)
     assert all(0 <= t <= GRACE_S * 1000 for t in pttls(raw, left).values())
     assert named(raw, head) == before and bit_exact(good.get("item"), bf16(300, seed=5))
     wait_for(lambda: all_keys(raw) == before, EXPIRY_BOUND_S, "the failed write's chunks")
@@ -332,16 +333,17 @@ def between_round_trips(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[
     """Run an action once, after a reader got the head and before it fetches the chunks."""
 
     def install(action: Callable[[], None]) -> None:
-        real = bulk_read.read_into
+        real_send = bulk_read._Reader.send
         done: list[bool] = []
 
-        def read_into(*args: Any, **kwargs: Any) -> Any:
+        def send(reader: Any, commands: Any) -> None:
+            # the chunks' GETs go out once the head's header is in, its data still streaming
             if not done:
                 done.append(True)
                 action()
-            return real(*args, **kwargs)
+            real_send(reader, commands)
 
-        monkeypatch.setattr(bulk_read, "read_into", read_into)
+        monkeypatch.setattr(bulk_read._Reader, "send", send)
 
     return install
 

@@ -23,6 +23,7 @@ import xxhash
 
 from ec_redis.codec import decode_parts, destination, encode_parts, read_header
 from ec_redis.codec.destination import PAGE, SLACK, Recycler
+from ec_redis.codec.direct import direct_layout
 from ec_redis.codec.format import HEADER_SIZE
 from ec_redis.codec.landing import STEP, Landing, payload_start
 from ec_redis.config import CacheConfig
@@ -275,7 +276,7 @@ def test_reads_land_checked_in_recycled_memory_and_never_alias(
 
     tier = near_tier()
     one = {k: bf16(200, seed=k) for k in (1, 2)}  # 400 KB: one value, received in place
-    chunked = {k: bf16(2000, seed=k) for k in (3, 4)}  # 4 MB: head and 4 chunks
+    chunked = {k: bf16(2000, seed=k) for k in (3, 4)}  # 4 MB: a 1 MiB head and 3 chunks
     for key, tensor in (one | chunked).items():
         assert tier.put(f"e{key}", tensor)
 
@@ -315,20 +316,23 @@ def test_a_corrupt_byte_is_caught_as_it_lands(
     near_tier: Callable[..., RedisTier], raw: redis.Redis, where: str
 ) -> None:
     """A flipped byte in a stretch hashed early, at a stretch's edge, or in the tail hashed
-    last, in a one-value entry received in place or in a chunk: a miss and ``bad_blobs``."""
+    last, in a one-value entry received in place or in a chunked one (the head's data, its
+    chunk): a miss and ``bad_blobs``."""
     tier = near_tier(chunk_bytes=4 * MiB)
     small = bf16(600, seed=5)  # 1.2 MB: one value
-    large = bf16(3000, seed=6)  # 6 MB: head and 2 chunks
+    large = bf16(3000, seed=6)  # 6 MB: a head of 4 MiB with the first data, and one chunk
     assert tier.put("one", small) and tier.put("big", large)
     head_one, head_big = KEYS.head("one"), KEYS.head("big")
     length = raw.strlen(head_one)
     offset = {"first": HEADER_SIZE + 300, "at-step": STEP, "last": length - 1}[where]
     _flip_at(raw, head_one, offset)
-    first, second = _chunks(raw, head_big)
-    if where == "last":
-        _flip_at(raw, second, raw.strlen(second) - 1)
+    layout = direct_layout(read_header(_value(raw, head_big)), raw.strlen(head_big))
+    assert layout is not None and layout.in_head > 0 and len(layout.chunks) == 1
+    (chunk,) = _chunks(raw, head_big)
+    if where == "first":
+        _flip_at(raw, head_big, layout.lead + 10)
     else:
-        _flip_at(raw, first, {"first": 10, "at-step": STEP - 1}[where])
+        _flip_at(raw, chunk, {"at-step": STEP - 1, "last": raw.strlen(chunk) - 1}[where])
     got = tier.get_many(["one", "big"])
     assert got == {"one": None, "big": None}
     stats = tier.stats()

@@ -69,3 +69,49 @@ def test_engine_thread_never_frees_a_host_copy_a_writer_thread_collected_meanwhi
         )
     finally:
         writer.close(2.0)
+
+
+class HoldingDispatcher:
+    """Takes the first write handed to it and holds its outcome until ``release``; refuses
+    every later one (the queue and a writer thread take those)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.taken = 0
+
+    def dispatch(self, key: str, host: HostCopy) -> Handle | None:
+        self.taken += 1
+        return Handle() if self.taken == 1 else None
+
+    def finish(self, key: str, dispatched: Handle) -> bool:
+        assert self.released.wait(10), "never released"
+        return True
+
+    def settle(self, key: str, dispatched: Handle) -> str:
+        return "written" if self.released.is_set() else "waiting"
+
+
+def test_flush_waits_for_an_earlier_write_of_a_key_written_again_meanwhile() -> None:
+    """A write of "img" is handed over and still in flight; a newer write of "img" is queued
+    and done by a writer thread first. flush and wait_written must still wait for the
+    earlier one (they returned as soon as the newer one was done: a flush that says "all
+    written" while a write is in flight)."""
+    dispatcher = HoldingDispatcher()
+    written: list[str] = []
+    writer = BackgroundWriter(
+        lambda key, host: written.append(key) or True, 16, 1 << 30, threads=1,
+        dispatcher=dispatcher, collect_after_s=30.0,
+    )  # fmt: skip
+    try:
+        first, second = HostCopy(torch.zeros(16)), HostCopy(torch.ones(16))
+        assert writer.submit("img", first) and dispatcher.taken == 1  # handed, held
+        assert writer.submit("img", second)  # refused by the dispatcher: queued
+        wait_for(lambda: written == ["img"], 10, "the newer write")
+        assert writer.flush(0.3) is False  # the handed one is still in flight
+        assert writer.wait_written(["img"], 0.3) is False
+        assert writer.pending("img") is first and writer.depth()[0] == 1
+        dispatcher.released.set()
+        assert writer.flush(10.0) and writer.wait_written(["img"], 1.0)
+        assert writer.pending("img") is None and writer.depth()[0] == 0
+    finally:
+        writer.close(2.0)

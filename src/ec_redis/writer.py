@@ -92,7 +92,9 @@ class BackgroundWriter:
         self._collect_after_s = collect_after_s
         self._dispatched: deque[_Handed] = deque()  # outcomes to collect, oldest first
         self._urgent = 0  # threads waiting for writes: handed outcomes are collected at once
-        self._handed: dict[str, HostCopy] = {}  # in flight through the dispatcher
+        # in flight through the dispatcher, per key, oldest first (a key may be written
+        # again before an earlier write of it is done)
+        self._handed: dict[str, list[HostCopy]] = {}
         self._spent: list[HostCopy] = []  # collected by the engine's thread, dropped by ours
         self._spent_bytes = 0
         self._on_lost = on_lost
@@ -101,7 +103,7 @@ class BackgroundWriter:
         self._max_bytes = max_bytes
         self._queue: OrderedDict[str, _Job] = OrderedDict()
         self._queued_bytes = 0
-        self._in_flight: dict[str, HostCopy] = {}
+        self._in_flight: dict[str, list[HostCopy]] = {}  # being written, as ``_handed``
         lock = threading.RLock()
         self._cond = threading.Condition(lock)  # writes done (flush, wait_written)
         self._work = threading.Condition(lock)  # work for the writer threads
@@ -158,7 +160,8 @@ class BackgroundWriter:
             return False
         if dispatched is None:
             return False
-        self._in_flight[key] = self._handed[key] = host
+        _add(self._in_flight, key, host)
+        _add(self._handed, key, host)
         due = time.monotonic() + self._collect_after_s
         self._dispatched.append(_Handed(key, host, dispatched, due))  # no thread woken
         return True
@@ -213,10 +216,8 @@ class BackgroundWriter:
 
     def _done(self, key: str, host: HostCopy) -> None:
         """(Under the lock.) The write of ``host`` under ``key`` is no longer in flight."""
-        if self._in_flight.get(key) is host:
-            del self._in_flight[key]
-        if self._handed.get(key) is host:
-            del self._handed[key]
+        _remove(self._in_flight, key, host)
+        _remove(self._handed, key, host)
 
     def _lose(self, keys: list[str]) -> None:
         with self._cond:
@@ -258,7 +259,10 @@ class BackgroundWriter:
         """The host copy of a write not yet in Redis (read-your-writes)."""
         with self._cond:
             job = self._queue.get(key)
-            return job.host if job is not None else self._in_flight.get(key)
+            if job is not None:
+                return job.host
+            writing = self._in_flight.get(key)
+            return writing[-1] if writing else None
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write is done; False if ``timeout_s`` passed first."""
@@ -316,7 +320,8 @@ class BackgroundWriter:
 
     def depth(self) -> tuple[int, int]:
         with self._cond:
-            return len(self._queue) + len(self._in_flight), self._queued_bytes
+            writing = sum(len(hosts) for hosts in self._in_flight.values())
+            return len(self._queue) + writing, self._queued_bytes
 
     def threads_alive(self) -> int:
         return sum(t.is_alive() for t in self._threads)
@@ -366,7 +371,8 @@ class BackgroundWriter:
             elif not lost:
                 key, job = self._queue.popitem(last=False)
                 self._queued_bytes -= job.nbytes
-                self._in_flight[key] = host = job.host
+                host = job.host
+                _add(self._in_flight, key, host)
         if lost:
             self._report_lost(lost)
             if dispatched is None:
@@ -412,3 +418,18 @@ class BackgroundWriter:
         out = self.counters.snapshot()
         out.update({"queue_depth": float(depth), "queue_bytes": float(queued)})
         return out
+
+
+def _add(writes: dict[str, list[HostCopy]], key: str, host: HostCopy) -> None:
+    writes.setdefault(key, []).append(host)
+
+
+def _remove(writes: dict[str, list[HostCopy]], key: str, host: HostCopy) -> None:
+    """Forget the write of ``host`` (by identity) under ``key``, and the key with its last."""
+    hosts = writes.get(key, [])
+    for i, other in enumerate(hosts):
+        if other is host:
+            del hosts[i]
+            break
+    if not hosts:
+        writes.pop(key, None)

@@ -138,26 +138,33 @@ def _redis_rows(
         check(kept[-1])
 
     expected = tensor.view(-1).view(torch.uint8).numpy()
+    equal = np.empty(len(expected), dtype=bool)  # faulted in once, reused by every check
+
+    def same(got: Any) -> bool:
+        # Byte for byte on this thread, into memory allocated once: ``torch.equal`` ran on
+        # torch's OpenMP pool, whose workers then spin for milliseconds on the other core
+        # (this VM has 2 cores, and the server needs one); ``np.array_equal`` allocates and
+        # frees a result as large as the item per check, which slowed the read timed next
+        # by 0.3-0.8 ms at 4 MiB. Every read, the tier's and the baselines', is checked so.
+        got = np.frombuffer(got, dtype=np.uint8)
+        return len(got) == len(expected) and bool(np.equal(got, expected, out=equal).all())
 
     def check(read: torch.Tensor | None) -> None:
-        # Byte for byte on this thread (numpy): ``torch.equal`` ran on torch's OpenMP pool,
-        # whose workers then spin for milliseconds on the other core, which slowed the read
-        # timed next (this VM has 2 cores, and the server needs one).
         if read is None or read.shape != tensor.shape or read.dtype != tensor.dtype:
             raise RuntimeError("benchmark read back a wrong tensor: refusing to report")
-        if not np.array_equal(read.contiguous().view(-1).view(torch.uint8).numpy(), expected):
+        if not same(read.contiguous().view(-1).view(torch.uint8).numpy()):
             raise RuntimeError("benchmark read back a wrong tensor: refusing to report")
 
     def sock_one() -> None:
         assert sock is not None and into is not None
         size = timed("sock_one", lambda: sock.read_one(one_key, into))
-        if size != len(payload) or into != payload:
+        if size != len(payload) or not same(into):
             raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
 
     def sock_pieces() -> None:
         assert sock is not None and into is not None
         size = timed("sock_pieces", lambda: sock.read_pieces(piece_names, into))
-        if size != len(payload) or into != payload:
+        if size != len(payload) or not same(into):
             raise RuntimeError("the socket baseline read back wrong bytes: refusing to report")
 
     samples: dict[str, list[float]] = {

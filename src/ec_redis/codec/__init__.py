@@ -79,8 +79,9 @@ def encode_parts(
     """Encode a host tensor into blob parts; part 0 is the head and carries the header.
 
     With ``part_bytes == 0`` or a blob that fits in ``part_bytes``, one part is returned.
-    Larger blobs become a small head plus data parts of ``part_bytes`` that reference the
-    tensor's (or the compressed payload's) memory without copying it. ``write_id`` (default:
+    Larger blobs are cut into parts of ``part_bytes``: the head (the header and the payload's
+    first bytes) and data parts that reference the tensor's (or the compressed payload's)
+    memory without copying it. ``write_id`` (default:
     a fresh random one) goes into the header; a storage layer names the parts' keys with it.
     """
     if write_id is None:
@@ -133,7 +134,15 @@ def encode_parts(
     rest = memoryview(payload[-1])  # raw: the tensor bytes; lz4: the compressed payload
     if codec == CODEC_NONE:
         head += st_prefix
-    return [head] + [rest[i : i + part_bytes] for i in range(0, len(rest), part_bytes)]
+    # The head is the blob's first part: its header and the payload's first bytes (one copy of
+    # a part, made here, off the engine's step). A reader learns the chunk keys from the
+    # header's first bytes and sends their GETs while the rest of the head is still streaming
+    # in: a chunked read costs one round trip, not two (``tiers/bulk_read.read_streamed``).
+    # How much payload the head carries does not depend on the producer info (it holds a
+    # timestamp of varying length): the same tensor is always cut into the same chunks.
+    in_head = max(part_bytes - (len(head) - len(producer)) - MAX_PRODUCER_BYTES, 0)
+    head = b"".join((head, rest[:in_head]))
+    return [head] + [rest[i : i + part_bytes] for i in range(in_head, len(rest), part_bytes)]
 
 
 def encode_blob(tensor: torch.Tensor, **options: object) -> bytes:

@@ -1,11 +1,14 @@
 """Decoding blobs whose chunks were read straight into one buffer (``tiers/bulk_read.py``).
 
-For a chunked blob of the right layout the reader allocates one buffer and has each chunk's
-reply land in its slice: a raw blob's buffer is the tensor itself, an lz4 blob's is the
-compressed payload, decompressed into the tensor's memory. No bytes object per chunk, no join.
+For a chunked blob of the right layout the reader allocates one buffer and has the bytes the
+head carries after its header, then each chunk's reply, land in their slices: a raw blob's
+buffer is the tensor itself, an lz4 blob's is the compressed payload, decompressed into the
+tensor's memory. No bytes object per chunk, no join.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -18,35 +21,47 @@ from ec_redis.errors import BlobError
 Buffer = bytes | memoryview
 
 
-def direct_layout(header: BlobHeader, head_len: int) -> list[int] | None:
-    """Chunk lengths of a chunked blob whose chunks can be read straight into one buffer, in
-    order: a raw blob's tensor bytes (its head holds exactly the safetensors prefix), or an
-    lz4 blob's compressed payload (its head holds none of it); ``None`` for any other layout
-    (use ``decode_parts``)."""
+@dataclass(frozen=True)
+class DirectLayout:
+    """Where a chunked blob's bytes go when read straight into one buffer."""
+
+    lead: int  # the head's first bytes, kept apart: header, producer info (raw: safetensors prefix)
+    size: int  # the buffer: raw, the tensor's bytes; lz4, the compressed payload
+    in_head: int  # the buffer's first bytes that the head carries after its lead
+    chunks: list[int]  # the lengths of the chunks, in order, that fill the rest of the buffer
+
+
+def direct_layout(header: BlobHeader, head_len: int) -> DirectLayout | None:
+    """How a chunked blob whose head is ``head_len`` bytes long is read straight into one
+    buffer: a raw blob's tensor bytes, or an lz4 blob's compressed payload, part of them in
+    the head (after its header and, raw, the safetensors prefix) and the rest in its chunks;
+    ``None`` for any other layout (use ``decode_parts``)."""
     if header.part_bytes <= 0:
         return None
     if header.codec == CODEC_NONE:
-        st_len = header.raw_len - header.tensor_nbytes
-        if header.tensor_nbytes == 0 or head_len != header.payload_offset + st_len:
+        if header.tensor_nbytes == 0:
             return None
-        total = header.tensor_nbytes
+        lead = header.payload_offset + header.raw_len - header.tensor_nbytes
+        size = header.tensor_nbytes
     else:
-        if head_len != header.payload_offset:
-            return None
-        total = header.payload_len
+        lead, size = header.payload_offset, header.payload_len
+    in_head = head_len - lead
+    if not 0 <= in_head < size:
+        return None
     part = header.part_bytes
-    return [min(part, total - start) for start in range(0, total, part)]
+    chunks = [min(part, size - start) for start in range(in_head, size, part)]
+    return DirectLayout(lead, size, in_head, chunks)
 
 
 def finish_direct(
     header: BlobHeader, head: Buffer, data: torch.Tensor, landing: Landing | None = None
 ) -> torch.Tensor:
     """Validate and decode a blob whose chunks were read straight into ``data`` (see
-    ``direct_layout``). Raw: ``data`` holds the tensor's bytes and becomes the tensor; the
-    checksum covers the head's prefix and every byte of it (``landing``: computed as the
-    bytes landed, seeded with that prefix: ``raw_landing``; else hashed here). lz4: ``data``
-    holds the payload, decompressed here (into the tensor's memory, as ``decode_parts``
-    does)."""
+    ``direct_layout``; ``head``: the head's lead, without the bytes it carried into ``data``).
+    Raw: ``data`` holds the tensor's bytes and becomes the tensor; the checksum covers the
+    head's safetensors prefix and every byte of ``data`` (``landing``: computed as the bytes
+    landed, seeded with that prefix: ``raw_landing``; else hashed here). lz4: ``data`` holds
+    the payload, decompressed here (into the tensor's memory, as ``decode_parts`` does)."""
     if header.codec != CODEC_NONE:
         if data.numel() != header.payload_len or len(head) != header.payload_offset:
             raise BlobError("directly read blob does not match its header")

@@ -9,9 +9,12 @@ returned. Entry heads are read the same way (``read_values``): a large one-value
 in a buffer of its own (``codec/destination.fresh``: recycled, already faulted-in memory),
 which the decoded tensor then uses as it is. A caller may follow the bytes as they land
 (``landed``): it checksums each stretch while the next is still on the wire
-(``codec/landing.py``). An error reply to one key's command (a key of another type:
-``WRONGTYPE``) is returned in that key's place: it is one line, so the replies after it are
-still read in step.
+(``codec/landing.py``). A caller may also look at a value's first bytes and decide, before
+the rest has arrived, where the rest goes and which further reads to send at once on the same
+connection (``read_streamed``: a chunked entry's head names its chunks, whose replies then
+follow the head's without a second round trip). An error reply to one key's command (a key
+of another type: ``WRONGTYPE``) is returned in that key's place: it is one line, so the
+replies after it are still read in step.
 
 For any ``redis.Redis`` client whose pool makes our connections: one server (TCP/TLS/Unix), a
 Sentinel-managed master, and each node of a Redis Cluster. Error replies become redis-py's
@@ -24,6 +27,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -102,10 +106,96 @@ def read_values(
     the tail's replies. An error reply is returned as a typed ``ResponseError``, not raised.
     ``landed(i, buffer, count)`` follows the bytes of value ``i`` as they land, for each value
     received in a buffer of its own."""
+    replies, values, after = read_streamed(client, commands, prelude, tail, None, landed)
+    return replies, [v for v in values if not isinstance(v, Streamed)], after
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the rest of a value goes once a planner has read its first bytes (a chunked
+    entry's head): its remaining bytes into ``target``; ``commands`` go out at once, on the
+    same connection, while those bytes still stream in (their replies come after every reply
+    asked for before them): the ``prelude``'s small replies, then each key's ``GET`` into its
+    ``targets`` slot. ``landed(i, buffer, count)`` follows ``target`` as 0 and ``targets[j]``
+    as ``j + 1``."""
+
+    target: memoryview
+    prelude: Sequence[Sequence[Any]]
+    keys: Sequence[str]
+    targets: Sequence[memoryview]
+    landed: Landed | None = None
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What a planned value's commands answered: the prelude's replies and, per key, what
+    ``read_into`` says of it (its length, ``None`` when missing, or the error)."""
+
+    prelude: list[Reply]
+    sizes: list[int | ResponseError | None]
+
+
+# (which value, take(n): up to n more of its first bytes, its length) -> where the rest of
+# it goes, or None: it is received as a plain value (with the bytes already taken)
+Planner = Callable[[int, Callable[[int], bytes], int], Plan | None]
+
+
+def read_streamed(
+    client: Any,
+    commands: Sequence[Sequence[Any]],
+    prelude: Sequence[Sequence[Any]] = (),
+    tail: Sequence[Sequence[Any]] = (),
+    planner: Planner | None = None,
+    landed: Landed | None = None,
+) -> tuple[list[Reply], list[Value | Streamed], list[Reply]]:
+    """``read_values``, where ``planner`` may look at each value's first bytes and say where
+    the rest of it goes and which further reads to send now (``Plan``): a value so planned is
+    answered by ``Streamed`` once those reads are in, in one round trip in all."""
     with _connection(client, [*prelude, *commands, *tail]) as reader:
         replies = [reader.reply() for _ in prelude]
-        values = [reader.value(landed, i) for i in range(len(commands))]
-        return replies, values, [reader.reply() for _ in tail]
+        values: list[Value | Streamed] = []
+        plans: list[tuple[int, Plan]] = []
+        for i in range(len(commands)):
+            size = reader.bulk_size()
+            if not isinstance(size, int):
+                values.append(size)
+                continue
+            start = _Start(reader, size)
+            plan = None if planner is None else planner(i, start.take, size)
+            if plan is None:
+                values.append(reader.rest_of_value(size, start.taken, landed, i))
+                continue
+            if len(plan.target) != size - len(start.taken) or len(plan.keys) != len(plan.targets):
+                raise ValueError("a plan must place exactly the rest of its value")
+            reader.send([*plan.prelude, *(("GET", key) for key in plan.keys)])
+            reader.fill_value(plan.target, _follow(plan.landed, 0, plan.target))
+            plans.append((i, plan))
+            values.append(Streamed([], []))  # its place; answered below
+        after = [reader.reply() for _ in tail]
+        for i, plan in plans:
+            values[i] = Streamed(
+                [reader.reply() for _ in plan.prelude],
+                [
+                    reader.bulk_into(target, _follow(plan.landed, j + 1, target))
+                    for j, target in enumerate(plan.targets)
+                ],
+            )
+        return replies, values, after
+
+
+class _Start:
+    """The first bytes of a value of ``size`` bytes, taken off the stream on demand."""
+
+    def __init__(self, reader: _Reader, size: int) -> None:
+        self._reader = reader
+        self._size = size
+        self.taken = b""
+
+    def take(self, count: int) -> bytes:
+        count = max(min(count, self._size - len(self.taken)), 0)
+        out = self._reader.take(count) if count else b""
+        self.taken += out
+        return out
 
 
 def _follow(landed: Landed | None, index: int, buffer: memoryview) -> Callable[[int], None] | None:
@@ -123,7 +213,7 @@ def _connection(client: Any, commands: Sequence[Sequence[Any]]) -> Iterator[_Rea
     clean = False
     try:
         conn.send_packed_command(conn.pack_commands(commands))
-        yield _Reader(conn._sock)
+        yield _Reader(conn)
         clean = True
     finally:
         if not clean:
@@ -132,9 +222,16 @@ def _connection(client: Any, commands: Sequence[Sequence[Any]]) -> Iterator[_Rea
 
 
 class _Reader:
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._sock: socket.socket = conn._sock
         self._buf = bytearray()
+
+    def send(self, commands: Sequence[Sequence[Any]]) -> None:
+        """Send more commands while replies are still being read (no health check: its PING
+        would answer in the middle of them)."""
+        if commands:
+            self._conn.send_packed_command(self._conn.pack_commands(commands), check_health=False)
 
     def bulk_into(
         self, target: memoryview, landed: Callable[[int], None] | None = None
@@ -164,6 +261,12 @@ class _Reader:
     def value(self, landed: Landed | None = None, index: int = 0) -> Value:
         """One string reply (or nil, or an error), small ones as bytes, larger ones received in
         place (followed by ``landed`` as value ``index``)."""
+        size = self.bulk_size()
+        return size if not isinstance(size, int) else self.rest_of_value(size, b"", landed, index)
+
+    def bulk_size(self) -> int | Value:
+        """The length of the string reply that follows, or the whole reply when it is no
+        bulk string (nil, an error, a simple string)."""
         line = self._line()
         if line[:1] == b"-":
             return _error(line[1:])
@@ -174,15 +277,33 @@ class _Reader:
         if line[:1] != b"$":
             raise RedisConnectionError(f"unexpected reply {line[:32]!r} to a string command")
         size = int(line[1:])
-        if size < 0:
-            return None
+        return None if size < 0 else size
+
+    def rest_of_value(
+        self, size: int, taken: bytes, landed: Landed | None = None, index: int = 0
+    ) -> Value:
+        """The value of ``size`` bytes whose first bytes ``taken`` were already read."""
         if size <= SMALL_VALUE:
-            return self._take(size + 2)[:-2]
+            return taken + self._take(size - len(taken) + 2)[:-2]
         target = destination.fresh(size).numpy().data  # no zero-fill: every byte is received
-        self._fill(target, _follow(landed, index, target))
+        target[: len(taken)] = taken
+        follow = _follow(landed, index, target)
+        if follow is not None and taken:
+            follow(len(taken))
+        self.fill_value(target, follow, len(taken))
+        return target
+
+    def fill_value(
+        self, target: memoryview, landed: Callable[[int], None] | None = None, have: int = 0
+    ) -> None:
+        """Receive the rest of a value into ``target[have:]``, then its CRLF."""
+        self._fill(target, landed, have)
         if self._take(2) != b"\r\n":
             raise RedisConnectionError("malformed bulk reply")
-        return target
+
+    def take(self, count: int) -> bytes:
+        """The next ``count`` bytes of the stream."""
+        return self._take(count)
 
     def reply(self) -> Reply:
         """One small reply of any RESP2 type (and RESP3's null)."""
@@ -212,11 +333,14 @@ class _Reader:
         del self._buf[: end + 2]
         return line
 
-    def _fill(self, target: memoryview, landed: Callable[[int], None] | None = None) -> None:
-        have = min(len(self._buf), len(target))
-        target[:have] = self._buf[:have]
-        del self._buf[:have]
-        if landed is not None and have:
+    def _fill(
+        self, target: memoryview, landed: Callable[[int], None] | None = None, have: int = 0
+    ) -> None:
+        moved = min(len(self._buf), len(target) - have)
+        target[have : have + moved] = self._buf[:moved]
+        del self._buf[:moved]
+        have += moved
+        if landed is not None and moved:
             landed(have)
         while have < len(target):
             got = self._sock.recv_into(target[have:])
