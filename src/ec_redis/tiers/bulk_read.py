@@ -253,9 +253,7 @@ class _Reader:
         if size != len(target):
             self._skip(size + 2)
             return size
-        self._fill(target, landed)
-        if self._take(2) != b"\r\n":
-            raise RedisConnectionError("malformed bulk reply")
+        self.fill_value(target, landed)
         return size
 
     def value(self, landed: Landed | None = None, index: int = 0) -> Value:
