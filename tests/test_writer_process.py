@@ -758,3 +758,16 @@ def test_starts_back_off_after_a_failed_start_and_after_a_second_death() -> None
     assert strikes.died() == 0.0 and not strikes.backed_off()
     strikes.served()
     assert strikes.start_failed() == 10.0 and strikes.backed_off()
+
+
+def test_the_writer_process_runs_under_sched_batch(writing: TieredCache) -> None:
+    """Woken by a handed write, the child must not preempt the engine's thread (``sched.py``);
+    the engine's own thread keeps its policy."""
+    assert writing.process_sink is not None
+    pids = writing.process_sink.pids()
+    assert pids
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        pytest.skip("the test runs under another policy: the child keeps it")
+    for pid in pids:
+        assert os.sched_getscheduler(pid) == os.SCHED_BATCH, pid
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ec_redis import sched
 from ec_redis.logutil import RateLimitedLog
 from ec_redis.stats import Counters
 from ec_redis.tiers.transfer import HostCopy
@@ -92,6 +93,9 @@ class BackgroundWriter:
         self._collect_after_s = collect_after_s
         self._dispatched: deque[_Handed] = deque()  # outcomes to collect, oldest first
         self._urgent = 0  # threads waiting for writes: handed outcomes are collected at once
+        # our threads under SCHED_BATCH (native ids), back under SCHED_OTHER while a thread
+        # waits for writes (``_urgency``); each leaves this set, under the lock, before it ends
+        self._background: set[int] = set()
         # in flight through the dispatcher, per key, oldest first (a key may be written
         # again before an earlier write of it is done)
         self._handed: dict[str, list[HostCopy]] = {}
@@ -278,14 +282,25 @@ class BackgroundWriter:
     @contextmanager
     def _urgency(self) -> Iterator[None]:
         """The lock, held by a thread waiting for writes: handed outcomes are collected at
-        once meanwhile (a writer thread is woken for them)."""
+        once meanwhile (a writer thread is woken for them), and the writer threads run under
+        ``SCHED_OTHER``: a waking one preempts as any thread would."""
         with self._cond:
             self._urgent += 1
+            if self._urgent == 1:  # what it waits for must not wait for scheduler ticks
+                self._set_background(False)
             self._work.notify_all()
             try:
                 yield
             finally:
                 self._urgent -= 1
+                if not self._urgent:
+                    self._set_background(True)
+
+    def _set_background(self, background: bool) -> None:
+        """(Under the lock.) Our threads under ``SCHED_BATCH``, or back under ``SCHED_OTHER``
+        while a thread waits for writes (``sched.py``)."""
+        for thread_id in self._background:
+            sched.set_policy(thread_id, background=background)
 
     def wait_written(self, keys: Iterable[str], timeout_s: float) -> bool:
         """Wait until none of ``keys`` is queued or being written (stored, failed or dropped);
@@ -347,8 +362,18 @@ class BackgroundWriter:
         return self._collect_after_s
 
     def _run(self) -> None:
-        while self._one():
-            pass  # each write's locals (its host copy) go when ``_one`` returns
+        me = threading.get_native_id()
+        with self._cond:  # woken by a write, it never preempts the engine's thread ...
+            if sched.as_background():
+                self._background.add(me)
+                if self._urgent:  # ... except while the engine's thread waits for writes
+                    sched.set_policy(me, background=False)
+        try:
+            while self._one():
+                pass  # each write's locals (its host copy) go when ``_one`` returns
+        finally:
+            with self._cond:  # its id may be another thread's once it has ended
+                self._background.discard(me)
 
     def _one(self) -> bool:
         """Wait for one piece of work and do it; False once closed."""

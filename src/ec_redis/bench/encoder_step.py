@@ -19,11 +19,16 @@ encoder's step ended (as an EPD proxy would send PD the request) and asks step a
 until it can load the item; its time from ``save_caches`` returning is next to a raw redis-py
 SET + GET of the same bytes on the same server, measured in the same run.
 
-Rows: ``thread`` (the defaults: the write on a thread in the worker's process),
-``process`` (``writer_process: true``; a producer's step waits for its write,
-``save_wait_s``) and ``process, no wait`` (also ``save_wait_s: 0``), for ``ec_producer``
-and ``ec_both`` (which never waits), on a quiet machine and with another process keeping
-one core busy.
+Rows: ``thread`` (the defaults: the write on a thread in the worker's process; a producer's
+step waits for its write, ``save_wait_s``), ``process`` (``writer_process: true``), each also
+``, no wait`` (``save_wait_s: 0``), for ``ec_producer`` and ``ec_both`` (which never
+waits), on a quiet machine and with another process keeping one core busy.
+
+What the machine does to any code at that point of the step is measured next to the hooks:
+the worker hooks' own CPU time, how many steps' hooks were switched out while they could run
+(involuntary context switches), and the wall time of a fixed task of pure Python (1 ms of CPU,
+calibrated in the worker) run right after the hooks, once the step's reply is sent, under the
+same load (``FixedTask``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import gc
 import json
 import multiprocessing as mp
+import resource
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +56,7 @@ from ec_redis.demo.workload import activation_like
 WIDTH = 2048
 SETTINGS: dict[str, dict[str, Any]] = {
     "thread": {},  # the defaults: the write on a thread in the worker's process
+    "thread, no wait": {"save_wait_s": 0.0},
     "process": {"writer_process": True},
     "process, no wait": {"writer_process": True, "save_wait_s": 0.0},
 }
@@ -71,6 +78,11 @@ class StepRow:
     raw_p99_ms: float
     gc_steps: int = 0  # steps whose worker hooks the garbage collector paused
     gc_max_ms: float = 0.0  # the longest such pause
+    cpu_p50_ms: float = 0.0  # the worker hooks' own CPU time (their thread's)
+    cpu_p99_ms: float = 0.0
+    preempted_steps: int = 0  # steps whose worker hooks were switched out involuntarily
+    control_p50_ms: float = 0.0  # the fixed task's wall time, right after the hooks
+    control_p99_ms: float = 0.0
 
 
 def half(model_dir: str, role: str, side: str, extra: dict[str, Any]) -> Any:
@@ -105,6 +117,8 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
     queue.wait_until_ready()
     freeze_gc_heap()  # as vLLM's worker does once warm
     gc_pauses = _GcPauses()
+    control = FixedTask.calibrated(CONTROL_CPU_S)
+    control_s = 0.0  # the fixed task's wall time after the previous step's hooks
     rows = 0
     while True:
         message = queue.dequeue()
@@ -114,6 +128,7 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
         tensor = activation_like(rows, WIDTH, seed=seed)  # the encoder's output (untimed)
         timings: dict[str, float] = {}
         gc_pauses.seconds = 0.0
+        cpu, switches = time.thread_time(), _involuntary_switches()
         started = time.perf_counter()
         connector.bind_connector_metadata(meta)
         timings["bind"] = time.perf_counter() - started
@@ -132,12 +147,59 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
         started = time.perf_counter()
         connector.clear_connector_metadata()
         timings["clear"] = time.perf_counter() - started
+        cpu_s = time.thread_time() - cpu  # the hooks' own CPU (and the untimed lines between)
+        preempted = _involuntary_switches() - switches
         gc_s = gc_pauses.seconds  # pauses of the collector inside the timed hooks
         out.send_bytes(json.dumps({
-            "timings": timings, "saved_at": saved_at, "gc_s": gc_s,
+            "timings": timings, "saved_at": saved_at, "gc_s": gc_s, "cpu_s": cpu_s,
+            "preempted": preempted, "control_s": control_s,
             "pending": worker_meta.pending_writes, "loaded_step": worker_meta.loaded_step,
         }).encode())  # fmt: skip
+        # The same machine right after the hooks, doing fixed work; after the reply, so that
+        # the step and PD's wait are not delayed by it (reported with the next step's).
+        started = time.perf_counter()
+        control.run()
+        control_s = time.perf_counter() - started
     connector.shutdown()
+
+
+CONTROL_CPU_S = 0.001  # the fixed task's CPU time: about an encoder step's hooks at p50
+
+
+class FixedTask:
+    """A fixed amount of pure-Python work (``iterations`` of a loop that holds the GIL, as the
+    hooks do), timed in every step right after the hooks (once the step's reply is sent): its
+    wall time is what this machine does to *any* code of that size at that point of the step
+    (the writer process, Redis and PD busy with the item just saved, a burner on a core),
+    whatever the connector does."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+
+    @classmethod
+    def calibrated(cls, cpu_s: float, runs: int = 15) -> FixedTask:
+        """A task taking about ``cpu_s`` of this thread's CPU time (the median of ``runs``)."""
+        task = cls(10_000)
+        for _ in range(3):  # scale from the last estimate; converges in one or two rounds
+            samples = sorted(task.cpu_seconds() for _ in range(runs))
+            task = cls(max(1, round(task.iterations * cpu_s / max(samples[runs // 2], 1e-9))))
+        return task
+
+    def cpu_seconds(self) -> float:
+        started = time.thread_time()
+        self.run()
+        return time.thread_time() - started
+
+    def run(self) -> int:
+        total = 0
+        for i in range(self.iterations):
+            total += i & 7
+        return total
+
+
+def _involuntary_switches() -> int:
+    """How often the kernel has switched this thread out while it could still run."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
 
 
 class _GcPauses:
@@ -210,11 +272,14 @@ def measure(
     freeze_gc_heap()  # as vLLM's engine core does once started
     queue.wait_until_ready()
     if with_pd:
-        pd_out_receive.recv_bytes()
+        _receive(pd_out_receive, pd, "PD")
     rows = int(mib * 2**20) // (2 * WIDTH)
     steps_ms: list[float] = []
     saves_ms: list[float] = []
     gc_ms: list[float] = []
+    cpu_ms: list[float] = []
+    control_ms: list[float] = []
+    preempted = 0
     visible_ms: list[float] = []
     try:
         with _load(load):
@@ -234,7 +299,7 @@ def measure(
                 meta = scheduler.build_connector_meta(_Scheduled())
                 sched_s = time.perf_counter() - started
                 queue.enqueue((mm_hash, rows, step, meta))
-                reply = json.loads(receive.recv_bytes())
+                reply = json.loads(_receive(receive, worker, "worker"))
                 output = _Output(ECRedisWorkerMetadata(reply["pending"], reply["loaded_step"]))
                 started = time.perf_counter()
                 scheduler.update_connector_output(output)
@@ -244,7 +309,7 @@ def measure(
                     pd_in_send.send_bytes(json.dumps(
                         {"mm_hash": mm_hash, "rows": rows, "saved_at": reply["saved_at"]}
                     ).encode())  # fmt: skip
-                    seen = json.loads(pd_out_receive.recv_bytes())["seconds"]
+                    seen = json.loads(_receive(pd_out_receive, pd, "PD"))["seconds"]
                     if seen < 0:
                         raise RuntimeError("PD never found a saved item: refusing to report")
                 if step < 2:
@@ -252,6 +317,9 @@ def measure(
                 steps_ms.append((sched_s + sum(reply["timings"].values())) * 1e3)
                 saves_ms.append(reply["timings"]["save_caches"] * 1e3)
                 gc_ms.append(reply["gc_s"] * 1e3)
+                cpu_ms.append(reply["cpu_s"] * 1e3)
+                control_ms.append(reply["control_s"] * 1e3)
+                preempted += reply["preempted"] > 0
                 if with_pd:
                     visible_ms.append(seen * 1e3)
         raw = raw_set_get(url, rows * WIDTH * 2, steps)
@@ -272,6 +340,8 @@ def measure(
         percentile(visible_ms, 99) if visible_ms else None,
         percentile(raw, 50), percentile(raw, 99),
         sum(ms > 0 for ms in gc_ms), max(gc_ms, default=0.0),
+        percentile(cpu_ms, 50), percentile(cpu_ms, 99), preempted,
+        percentile(control_ms, 50), percentile(control_ms, 99),
     )  # fmt: skip
 
 
@@ -287,6 +357,15 @@ class _Output:
     """vLLM's ECConnectorOutput for the step: what the worker half reported."""
 
     ec_connector_worker_meta: ECRedisWorkerMetadata
+
+
+def _receive(connection: Any, process: Any, name: str) -> bytes:
+    """The next message of ``process``, or an error once it has died (never a hang)."""
+    while not connection.poll(1.0):
+        if not process.is_alive():
+            raise RuntimeError(f"the {name} process died (exit code {process.exitcode})")
+    data: bytes = connection.recv_bytes()
+    return data
 
 
 def _purge(url: str, namespace: str) -> None:
@@ -346,8 +425,8 @@ def run(url: str, mib: float, steps: int, progress: Callable[[str], None]) -> li
         for load in ("quiet", "one core busy"):
             for role in ("ec_producer", "ec_both"):
                 for setting in SETTINGS:
-                    if role == "ec_both" and setting == "process, no wait":
-                        continue  # ec_both never waits: the same as "process"
+                    if role == "ec_both" and setting.endswith(", no wait"):
+                        continue  # ec_both never waits: the same as without ", no wait"
                     rows.append(measure(url, model_dir, setting, role, load, mib, steps, progress))
     return rows
 
@@ -355,8 +434,10 @@ def run(url: str, mib: float, steps: int, progress: Callable[[str], None]) -> li
 def render(rows: list[StepRow]) -> str:
     lines = [
         "| load | role | code | step hooks p50 ms | p99 ms | save_caches p50 ms | p99 ms "
-        "| PD sees it p50 ms | p99 ms | raw SET+GET p50 ms | p99 ms | GC in hooks: steps, max ms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| PD sees it p50 ms | p99 ms | raw SET+GET p50 ms | p99 ms | GC in hooks: steps, max ms "
+        "| worker hooks' CPU p50 ms | p99 ms | steps preempted in hooks "
+        "| fixed 1 ms task p50 ms | p99 ms |",
+        "|---|---|---|" + "---:|" * 14,
     ]
     for r in rows:
         seen = (
@@ -367,6 +448,8 @@ def render(rows: list[StepRow]) -> str:
         lines.append(
             f"| {r.load} | {r.role} | {r.setting} | {r.step_p50_ms:.2f} | {r.step_p99_ms:.2f} "
             f"| {r.save_p50_ms:.3f} | {r.save_p99_ms:.3f} | {seen} "
-            f"| {r.raw_p50_ms:.1f} | {r.raw_p99_ms:.1f} | {r.gc_steps}, {r.gc_max_ms:.2f} |"
+            f"| {r.raw_p50_ms:.1f} | {r.raw_p99_ms:.1f} | {r.gc_steps}, {r.gc_max_ms:.2f} "
+            f"| {r.cpu_p50_ms:.2f} | {r.cpu_p99_ms:.2f} | {r.preempted_steps} "
+            f"| {r.control_p50_ms:.2f} | {r.control_p99_ms:.2f} |"
         )
     return "\n".join(lines)

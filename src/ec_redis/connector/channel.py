@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ec_redis import sched
 from ec_redis.connector import owners
 
 CHANNEL_PREFIX = "ec_redis-stats-"
@@ -108,6 +109,7 @@ class Publisher:
                 pass  # metrics are best effort; the next round tries again
 
     def _run(self) -> None:
+        sched.as_background()  # its 4 wake-ups a second never preempt the engine's thread
         while not self._stop.wait(self._interval_s):
             self.publish()
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ec_redis import sched
 from ec_redis.cache import redis_tier
 from ec_redis.codec import destination
 from ec_redis.offload import handshake, peek, wire
@@ -53,6 +54,7 @@ PARENT_CHECK_S = 1.0  # how often an idle writer process checks that its parent 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sched.as_background()  # its wake-ups never preempt the engine's thread (``sched.py``)
     parent = int(argv[2]) if len(argv) > 2 else os.getppid()
     sock = socket.socket(fileno=int(argv[0]))
     arena = ArenaView(int(argv[1]))
