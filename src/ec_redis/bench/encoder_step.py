@@ -114,6 +114,7 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
     if not connector._worker._cache.warm_writes(120):
         raise RuntimeError("the writer process never came up")
     queue = MessageQueue.create_from_handle(handle, 0)
+    out.send_bytes(b"{}")  # subscribed: the parent may wait for the queue (which has no timeout)
     queue.wait_until_ready()
     freeze_gc_heap()  # as vLLM's worker does once warm
     gc_pauses = _GcPauses()
@@ -270,6 +271,7 @@ def measure(
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()  # as vLLM's engine core does once started
+    _receive(receive, worker, "worker")  # a worker that died starting up raises here
     queue.wait_until_ready()
     if with_pd:
         _receive(pd_out_receive, pd, "PD")
