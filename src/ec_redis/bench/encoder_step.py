@@ -157,7 +157,8 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
             "pending": worker_meta.pending_writes, "loaded_step": worker_meta.loaded_step,
         }).encode())  # fmt: skip
         # The same machine right after the hooks, doing fixed work; after the reply, so that
-        # the step and PD's wait are not delayed by it (reported with the next step's).
+        # the step's timings exclude it (reported with the next step's). It holds the GIL:
+        # a write on a thread of this process may wait for it (docs/benchmarks.md).
         started = time.perf_counter()
         control.run()
         control_s = time.perf_counter() - started
