@@ -49,6 +49,13 @@ def test_pd_answers_like_the_baseline_with_embeddings_from_redis(
     report, stderr = demo
     assert report["mode"] == "engines"
     first, second, repeat = report["requests"]
+    # PD's language model was fed, bit for bit, what the encoder engine computed and what the
+    # baseline computed itself (digests taken inside each engine's model).
+    for row in report["requests"]:
+        check = row["embedding"]
+        assert check["same_as_baseline"] and check["from_encoder"], row
+        pd_steps, baseline_steps = check["steps"]  # the gate holds a request whole: same split
+        assert pd_steps == baseline_steps and len(pd_steps) >= 2, row
     assert [r["identical"] for r in report["requests"]] == [True, True, True]
     for row in (first, second):  # new images: the encoder saved them, PD loaded them
         assert row["encoder"] == {"encoder_passes": 1, "saved_items": 1}
@@ -100,11 +107,18 @@ def fake_results() -> dict[str, dict[str, Any]]:
         "pd": {"scheduler": {"hits_redis": 1}, "worker": {"loaded_items": 1}},
     }
     passes = {"encoder": 1, "baseline": 1, "pd": 0}
+    # The image embedding's digest: the encoder and the baseline each computed it, the
+    # baseline's LM and PD's (from Redis) were fed it; the encoder-only engine has no LM.
+    embeddings = {
+        "encoder": {"produced": ["e1"], "fed": [], "steps": []},
+        "baseline": {"produced": ["e1"], "fed": ["e1"], "steps": [3, 1]},
+        "pd": {"produced": [], "fed": ["e1"], "steps": [3, 1]},
+    }
     results = {}
     for name in ("encoder", "baseline", "pd"):
         request = {**copy.deepcopy(output), "encoder_passes": passes[name]}
         results[name] = {
-            "requests": [{**request, "counters": counters[name]}],
+            "requests": [{**request, "counters": counters[name], "embeddings": embeddings[name]}],
             "connector_totals": {},
             "engine_start_s": 1.0,
             "total_s": 2.0,
@@ -157,6 +171,48 @@ def test_the_report_flags_a_pd_output_that_differs_from_the_baseline(field: str)
     assert not report["requests"][0]["identical"] and report["all_identical"] is False
     text = "\n".join(render({**report, "wall_s": 1.0, "run_dir": "/tmp/x"}))
     assert "PROBLEM: PD's output differs from the baseline's for request(s) 1" in text
+
+
+@pytest.mark.parametrize(
+    ("encoder_made", "baseline_fed", "pd_fed", "pd_steps", "said"),
+    [
+        # PD's LM got the baseline's embedding: the outputs parted in the engines' arithmetic
+        ("e1", "e1", "e1", [3, 1], "fed the baseline's image embedding bit for bit"),
+        ("e1", "e1", "e1", [3, 1], "Both ran the same steps (tokens per step: [3, 1])"),
+        ("e1", "e1", "e1", [1, 2, 1], "tokens per step: PD [1, 2, 1], baseline [3, 1]"),
+        # PD got the encoder's embedding, which is not the one the baseline computed
+        ("e1", "b1", "e1", [3, 1], "the two engines' vision towers did not compute the same"),
+        # PD got an embedding nobody computed: the cache's defect
+        ("e1", "e1", "x9", [3, 1], "the cache delivered a wrong tensor"),
+    ],
+)
+def test_the_report_says_where_a_differing_output_parted_from_the_baseline(
+    encoder_made: str, baseline_fed: str, pd_fed: str, pd_steps: list[int], said: str
+) -> None:
+    results = fake_results()
+    results["pd"]["requests"][0]["token_ids"] = [7, 8]
+    results["encoder"]["requests"][0]["embeddings"]["produced"] = [encoder_made]
+    baseline_seen = {"produced": [baseline_fed], "fed": [baseline_fed], "steps": [3, 1]}
+    results["baseline"]["requests"][0]["embeddings"] = baseline_seen
+    results["pd"]["requests"][0]["embeddings"].update(fed=[pd_fed], steps=pd_steps)
+    report = build_report(results, [REQUEST])
+    check = report["requests"][0]["embedding"]
+    assert check == {
+        "same_as_baseline": pd_fed == baseline_fed,
+        "from_encoder": pd_fed == "e1",
+        "steps": [pd_steps, [3, 1]],
+    }
+    text = " ".join(" ".join(render({**report, "wall_s": 1.0, "run_dir": "/x"})).split())
+    assert "Request 1: " in text and said in text
+
+
+def test_an_embedding_pd_was_never_fed_is_never_the_baseline_s() -> None:
+    """No digest recorded (a probe that saw nothing) proves nothing: both checks are False."""
+    results = fake_results()
+    for name in ("baseline", "pd"):
+        results[name]["requests"][0]["embeddings"]["fed"] = []
+    check = build_report(results, [REQUEST])["requests"][0]["embedding"]
+    assert not check["same_as_baseline"] and not check["from_encoder"]
 
 
 def test_the_demo_kit_imports_without_vllm_transformers_or_pillow() -> None:

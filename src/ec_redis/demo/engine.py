@@ -94,6 +94,7 @@ def run(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
         progress(WAITING_FOR_TURN)
     try:
         llm.apply_model(probes.count_encoder_passes)
+        llm.apply_model(probes.record_embeddings)
         steps = [spec.get("warmup"), *spec["requests"]]
         image_size = spec.get("image_size", IMAGE_SIZE)
         for step, req in enumerate(steps):
@@ -126,16 +127,25 @@ def _answer(llm: Any, prompt: dict[str, Any], sampling: Any) -> dict[str, Any]:
     from ec_redis.demo import probes
 
     before = (connector_stats(llm), sum(llm.apply_model(probes.images_encoded)))
+    (produced, fed, steps), *_ = llm.apply_model(probes.embeddings_seen)  # rank 0's
     t0 = time.perf_counter()
     (output,) = llm.generate([prompt], sampling, use_tqdm=False)
     wall_s = time.perf_counter() - t0
     after = (connector_stats(llm), sum(llm.apply_model(probes.images_encoded)))
+    (produced_after, fed_after, steps_after), *_ = llm.apply_model(probes.embeddings_seen)
     return {
         **summarize(output),
         "wall_s": wall_s,
         "ttft_s": _ttft_s(output),
         "encoder_passes": after[1] - before[1],
         "counters": _diff(before[0], after[0]),
+        # Digests of the image embeddings this request's steps produced and fed to the LM, and
+        # the tokens each of its steps embedded
+        "embeddings": {
+            "produced": produced_after[len(produced) :],
+            "fed": fed_after[len(fed) :],
+            "steps": steps_after[len(steps) :],
+        },
     }
 
 

@@ -22,6 +22,7 @@ def build_report(
 ) -> dict[str, Any]:
     """``results``: the engines' outputs (``encoder``, ``baseline``, ``pd``) by name."""
     rows = []
+    made_by_encoder = _produced(results["encoder"])
     for n, request in enumerate(requests):
         encoder = results["encoder"]["requests"][n]
         baseline = results["baseline"]["requests"][n]
@@ -47,6 +48,7 @@ def build_report(
                     "ttft_s": baseline["ttft_s"],
                 },
                 "identical": all(pd[k] == baseline[k] for k in COMPARED),
+                "embedding": _embedding_check(made_by_encoder, baseline, pd),
             }
         )
     return {
@@ -63,6 +65,26 @@ def build_report(
             }
             for name, result in results.items()
         },
+    }
+
+
+def _produced(result: dict[str, Any]) -> set[str]:
+    """Digests of every image embedding an engine's vision side produced in its requests."""
+    return {d for r in result["requests"] for d in r["embeddings"]["produced"]}
+
+
+def _embedding_check(
+    made_by_encoder: set[str], baseline: dict[str, Any], pd: dict[str, Any]
+) -> dict[str, Any]:
+    """Whether PD's language model was fed exactly the image embedding(s) the baseline's
+    was (``same_as_baseline``), and only embeddings the encoder engine computed (``from_encoder``:
+    what the cache delivered, or vLLM's own copy of it, is what the encoder saved); and the
+    tokens each engine's steps embedded for the request (``steps``: PD's, the baseline's)."""
+    fed = pd["embeddings"]["fed"]
+    return {
+        "same_as_baseline": bool(fed) and fed == baseline["embeddings"]["fed"],
+        "from_encoder": bool(fed) and all(d in made_by_encoder for d in fed),
+        "steps": [pd["embeddings"].get("steps", []), baseline["embeddings"].get("steps", [])],
     }
 
 
@@ -146,9 +168,38 @@ def _summary(report: dict[str, Any]) -> list[str]:
     else:
         bad = ", ".join(str(n) for n, r in enumerate(rows, 1) if not r["identical"])
         lines.append(f"PROBLEM: PD's output differs from the baseline's for request(s) {bad}.")
+        lines += [_why(n, r) for n, r in enumerate(rows, 1) if not r["identical"]]
     lines += _ttft_lines(report)
     lines.append(f"Done in {report['wall_s']:.0f} s. Logs and the model: {report['run_dir']}")
     return lines
+
+
+def _why(n: int, row: dict[str, Any]) -> str:
+    """What the image embeddings say about a request whose output differs."""
+    check = row["embedding"]
+    if check["same_as_baseline"]:
+        pd_steps, base_steps = check["steps"]
+        split = (
+            f" vLLM split the work differently (tokens per step: PD {pd_steps}, baseline "
+            f"{base_steps}), and its kernels promise the same bits only for the same split."
+            if pd_steps != base_steps
+            else f" Both ran the same steps (tokens per step: {pd_steps})."
+        )
+        return (
+            f"Request {n}: PD's language model was fed the baseline's image embedding bit for "
+            "bit, so the difference arose in the engines' own arithmetic after it, not in "
+            "what the cache delivered." + split
+        )
+    if check["from_encoder"]:
+        return (
+            f"Request {n}: PD was fed exactly the embedding the encoder engine computed, which "
+            "differs from the one the baseline computed itself: the two engines' vision "
+            "towers did not compute the same bits."
+        )
+    return (
+        f"Request {n}: PD's language model was fed an image embedding the encoder engine "
+        "never computed: the cache delivered a wrong tensor."
+    )
 
 
 def _ttft_lines(report: dict[str, Any]) -> list[str]:
