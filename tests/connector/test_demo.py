@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from ec_redis.demo import probes
 from ec_redis.demo.report import build_report, render
 from ec_redis.demo.tiny_model import DEMO_TOWER, build_tiny_llava
 from tests.counters import count
@@ -53,7 +55,7 @@ def test_pd_answers_like_the_baseline_with_embeddings_from_redis(
     # baseline computed itself (digests taken inside each engine's model).
     for row in report["requests"]:
         check = row["embedding"]
-        assert check["same_as_baseline"] and check["from_encoder"], row
+        assert check["fed"] and check["same_as_baseline"] and check["from_encoder"], row
         pd_steps, baseline_steps = check["steps"]  # the gate holds a request whole: same split
         assert pd_steps == baseline_steps and len(pd_steps) >= 2, row
     assert [r["identical"] for r in report["requests"]] == [True, True, True]
@@ -110,9 +112,9 @@ def fake_results() -> dict[str, dict[str, Any]]:
     # The image embedding's digest: the encoder and the baseline each computed it, the
     # baseline's LM and PD's (from Redis) were fed it; the encoder-only engine has no LM.
     embeddings = {
-        "encoder": {"produced": ["e1"], "fed": [], "steps": []},
-        "baseline": {"produced": ["e1"], "fed": ["e1"], "steps": [3, 1]},
-        "pd": {"produced": [], "fed": ["e1"], "steps": [3, 1]},
+        "encoder": {"produced": "e1", "fed": None, "steps": []},
+        "baseline": {"produced": "e1", "fed": "e1", "steps": [3, 1]},
+        "pd": {"produced": None, "fed": "e1", "steps": [3, 1]},
     }
     results = {}
     for name in ("encoder", "baseline", "pd"):
@@ -182,37 +184,105 @@ def test_the_report_flags_a_pd_output_that_differs_from_the_baseline(field: str)
         ("e1", "e1", "e1", [1, 2, 1], "tokens per step: PD [1, 2, 1], baseline [3, 1]"),
         # PD got the encoder's embedding, which is not the one the baseline computed
         ("e1", "b1", "e1", [3, 1], "the two engines' vision towers did not compute the same"),
-        # PD got an embedding nobody computed: the cache's defect
+        # PD got bytes the encoder did not compute for this image: the cache's defect
         ("e1", "e1", "x9", [3, 1], "the cache delivered a wrong tensor"),
+        # Nothing to compare with: said so, never blamed on anyone
+        ("e1", "e1", None, [3, 1], "no image embedding was seen entering PD's or the baseline"),
+        ("e1", None, "e1", [3, 1], "no image embedding was seen entering PD's or the baseline"),
+        (None, "e1", "x9", [3, 1], "computed nothing for this image to compare them with"),
     ],
 )
 def test_the_report_says_where_a_differing_output_parted_from_the_baseline(
-    encoder_made: str, baseline_fed: str, pd_fed: str, pd_steps: list[int], said: str
+    encoder_made: str | None,
+    baseline_fed: str | None,
+    pd_fed: str | None,
+    pd_steps: list[int],
+    said: str,
 ) -> None:
     results = fake_results()
     results["pd"]["requests"][0]["token_ids"] = [7, 8]
-    results["encoder"]["requests"][0]["embeddings"]["produced"] = [encoder_made]
-    baseline_seen = {"produced": [baseline_fed], "fed": [baseline_fed], "steps": [3, 1]}
-    results["baseline"]["requests"][0]["embeddings"] = baseline_seen
-    results["pd"]["requests"][0]["embeddings"].update(fed=[pd_fed], steps=pd_steps)
+    results["encoder"]["requests"][0]["embeddings"]["produced"] = encoder_made
+    results["baseline"]["requests"][0]["embeddings"]["fed"] = baseline_fed
+    results["pd"]["requests"][0]["embeddings"].update(fed=pd_fed, steps=pd_steps)
     report = build_report(results, [REQUEST])
     check = report["requests"][0]["embedding"]
-    assert check == {
-        "same_as_baseline": pd_fed == baseline_fed,
-        "from_encoder": pd_fed == "e1",
-        "steps": [pd_steps, [3, 1]],
-    }
+    seen = pd_fed is not None and baseline_fed is not None
+    assert check["same_as_baseline"] == (seen and pd_fed == baseline_fed)
+    assert check["from_encoder"] == (pd_fed is not None and pd_fed == encoder_made)
+    assert check["steps"] == [pd_steps, [3, 1]]
     text = " ".join(" ".join(render({**report, "wall_s": 1.0, "run_dir": "/x"})).split())
     assert "Request 1: " in text and said in text
 
 
-def test_an_embedding_pd_was_never_fed_is_never_the_baseline_s() -> None:
-    """No digest recorded (a probe that saw nothing) proves nothing: both checks are False."""
+def test_the_embedding_of_another_image_is_the_caches_defect() -> None:
+    """PD fed image A's embedding (which the encoder did compute, for request 1) in request 2,
+    for image B: a mix-up, never blamed on the vision towers. The repeat of A (request 3,
+    not encoded again) is compared with what the encoder computed for A."""
+    requests = [
+        REQUEST,
+        {**REQUEST, "label": "image B", "image_seed": 1},
+        {**REQUEST, "label": "image A again"},
+    ]
     results = fake_results()
-    for name in ("baseline", "pd"):
-        results[name]["requests"][0]["embeddings"]["fed"] = []
-    check = build_report(results, [REQUEST])["requests"][0]["embedding"]
-    assert not check["same_as_baseline"] and not check["from_encoder"]
+    for name in results:
+        one = results[name]["requests"][0]
+        results[name]["requests"] = [copy.deepcopy(one) for _ in requests]
+    encoder, baseline, pd = (results[n]["requests"] for n in ("encoder", "baseline", "pd"))
+    encoder[1]["embeddings"]["produced"], baseline[1]["embeddings"]["fed"] = "b1", "b1"
+    encoder[2]["embeddings"]["produced"] = None  # had it already
+    pd[1]["embeddings"]["fed"] = "e1"  # A's bytes for B
+    pd[1]["token_ids"] = [7, 8]
+    report = build_report(results, requests)
+    checks = [r["embedding"] for r in report["requests"]]
+    assert [(c["same_as_baseline"], c["from_encoder"]) for c in checks] == [
+        (True, True),
+        (False, False),
+        (True, True),
+    ]
+    text = " ".join(" ".join(render({**report, "wall_s": 1.0, "run_dir": "/x"})).split())
+    assert "Request 2: PD's language model was fed other bytes than the encoder" in text
+    assert "vision towers" not in text
+
+
+class _FakeModel:
+    """vLLM's two multimodal model methods, as the probe wraps them."""
+
+    def __init__(self, item: torch.Tensor) -> None:
+        self.item = item
+
+    def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
+        return [self.item.clone()]
+
+    def embed_input_ids(
+        self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, **kwargs: Any
+    ) -> torch.Tensor:
+        return torch.zeros(len(input_ids))
+
+
+@pytest.mark.parametrize("splits", [[576], [305, 271], [505, 71], [1, 574, 1]])
+def test_the_probe_digests_an_embedding_fed_in_pieces_as_the_whole(splits: list[int]) -> None:
+    """A prefill split inside an image feeds its embedding in slices: the digest of what was
+    fed is the digest of what was produced, however it was cut; other bytes, or the same
+    bytes as another dtype, digest differently."""
+    item = torch.randn(576, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    model = _FakeModel(item)
+    probes.record_embeddings(model)  # type: ignore[arg-type]
+    probes.begin_request(model)  # type: ignore[arg-type]
+    model.embed_multimodal()
+    start = 0
+    for rows in splits:
+        piece = item[start : start + rows]
+        model.embed_input_ids(torch.zeros(rows + 2, dtype=torch.long), [piece])
+        start += rows
+    seen = probes.request_seen(model)  # type: ignore[arg-type]
+    assert seen["produced"] is not None and seen["fed"] == seen["produced"]
+    assert seen["steps"] == [rows + 2 for rows in splits]
+    for other in (item.clone().index_fill_(0, torch.tensor([575]), 0), item.view(torch.float16)):
+        probes.begin_request(model)  # type: ignore[arg-type]
+        model.embed_input_ids(torch.zeros(1, dtype=torch.long), [other])
+        assert probes.request_seen(model)["fed"] not in (None, seen["produced"])  # type: ignore[arg-type]
+    probes.begin_request(model)  # type: ignore[arg-type]
+    assert probes.request_seen(model) == {"produced": None, "fed": None, "steps": []}  # type: ignore[arg-type]
 
 
 def test_the_demo_kit_imports_without_vllm_transformers_or_pillow() -> None:

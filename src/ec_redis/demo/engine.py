@@ -127,12 +127,12 @@ def _answer(llm: Any, prompt: dict[str, Any], sampling: Any) -> dict[str, Any]:
     from ec_redis.demo import probes
 
     before = (connector_stats(llm), sum(llm.apply_model(probes.images_encoded)))
-    (produced, fed, steps), *_ = llm.apply_model(probes.embeddings_seen)  # rank 0's
+    llm.apply_model(probes.begin_request)
     t0 = time.perf_counter()
     (output,) = llm.generate([prompt], sampling, use_tqdm=False)
     wall_s = time.perf_counter() - t0
     after = (connector_stats(llm), sum(llm.apply_model(probes.images_encoded)))
-    (produced_after, fed_after, steps_after), *_ = llm.apply_model(probes.embeddings_seen)
+    seen, *_ = llm.apply_model(probes.request_seen)  # rank 0's
     return {
         **summarize(output),
         "wall_s": wall_s,
@@ -141,11 +141,7 @@ def _answer(llm: Any, prompt: dict[str, Any], sampling: Any) -> dict[str, Any]:
         "counters": _diff(before[0], after[0]),
         # Digests of the image embeddings this request's steps produced and fed to the LM, and
         # the tokens each of its steps embedded
-        "embeddings": {
-            "produced": produced_after[len(produced) :],
-            "fed": fed_after[len(fed) :],
-            "steps": steps_after[len(steps) :],
-        },
+        "embeddings": seen,
     }
 
 

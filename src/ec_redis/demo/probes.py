@@ -48,17 +48,36 @@ class EncoderPassProbe:
         return _images_encoded[0]
 
 
-# Digests (xxh3-64, hex) of image embeddings as an engine's model saw them, in order: what
-# its vision side produced (``embed_multimodal``) and what its language model was fed
-# (``embed_input_ids``'s multimodal embeddings, wherever they came from: the vision tower,
-# vLLM's encoder cache, or the connector).
-_produced: list[str] = []
-_fed: list[str] = []
-_steps: list[int] = []  # tokens each forward step embedded (how vLLM split the work)
+class _Stream:
+    """xxh3-64 of a sequence of tensors' bytes, in order: the same embedding bytes give the
+    same digest however vLLM sliced them (a prefill split inside an image feeds it in
+    pieces), and another dtype's bytes give another (the first tensor's dtype is hashed)."""
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_64()
+        self.nbytes = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+        if self.nbytes == 0:
+            self._hasher.update(str(tensor.dtype).encode())
+        self._hasher.update(flat.numpy().data)
+        self.nbytes += flat.numel()
+
+    def digest(self) -> str | None:
+        return self._hasher.hexdigest() if self.nbytes else None
+
+
+# Per request (``begin_request`` starts one): the image embeddings the engine's vision side
+# produced (``embed_multimodal``) and those its language model was fed (``embed_input_ids``:
+# from the vision tower, vLLM's encoder cache or the connector alike), and the tokens each
+# forward step embedded (how vLLM split the work).
+_seen = {"produced": _Stream(), "fed": _Stream()}
+_steps: list[int] = []
 
 
 def record_embeddings(model: torch.nn.Module) -> None:
-    """Digest every image embedding the model produces or is fed from now on."""
+    """Follow every image embedding the model produces or is fed from now on."""
     vllm_model: Any = model  # vLLM's multimodal model interface
     if getattr(vllm_model, "_ec_redis_recorded", False):
         return
@@ -66,12 +85,14 @@ def record_embeddings(model: torch.nn.Module) -> None:
 
     def embed_multimodal(**kwargs: object) -> Any:
         out = produce(**kwargs)
-        _produced.extend(_digest(t) for t in _items(out))
+        for item in _items(out):
+            _seen["produced"].add(item)
         return out
 
     def embed_input_ids(*args: Any, **kwargs: Any) -> Any:
         mm = kwargs.get("multimodal_embeddings", args[1] if len(args) > 1 else None)
-        _fed.extend(_digest(t) for t in _items(mm))
+        for item in _items(mm):
+            _seen["fed"].add(item)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         _steps.append(int(input_ids.shape[0]) if isinstance(input_ids, torch.Tensor) else -1)
         return embed(*args, **kwargs)
@@ -81,10 +102,20 @@ def record_embeddings(model: torch.nn.Module) -> None:
     vllm_model._ec_redis_recorded = True
 
 
-def embeddings_seen(model: torch.nn.Module) -> tuple[list[str], list[str], list[int]]:
-    """(produced, fed, steps): every digest, and every step's token count, recorded in this
-    process since ``record_embeddings``."""
-    return list(_produced), list(_fed), list(_steps)
+def begin_request(model: torch.nn.Module) -> None:
+    """Start following a new request (the engine answers one at a time)."""
+    _seen["produced"], _seen["fed"] = _Stream(), _Stream()
+    _steps.clear()
+
+
+def request_seen(model: torch.nn.Module) -> dict[str, Any]:
+    """Since ``begin_request``: the digest of every image embedding byte produced and fed
+    (``None``: none), and the tokens each step embedded."""
+    return {
+        "produced": _seen["produced"].digest(),
+        "fed": _seen["fed"].digest(),
+        "steps": list(_steps),
+    }
 
 
 def _items(embeddings: Any) -> list[torch.Tensor]:
@@ -92,12 +123,3 @@ def _items(embeddings: Any) -> list[torch.Tensor]:
     if embeddings is None:
         return []
     return list(embeddings.unbind(0) if isinstance(embeddings, torch.Tensor) else embeddings)
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    """xxh3-64 of a tensor's bytes with its dtype and shape (the same bytes seen as another
-    shape are another embedding)."""
-    flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-    hasher = xxhash.xxh3_64(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-    hasher.update(flat.numpy().data)
-    return hasher.hexdigest()

@@ -22,7 +22,6 @@ def build_report(
 ) -> dict[str, Any]:
     """``results``: the engines' outputs (``encoder``, ``baseline``, ``pd``) by name."""
     rows = []
-    made_by_encoder = _produced(results["encoder"])
     for n, request in enumerate(requests):
         encoder = results["encoder"]["requests"][n]
         baseline = results["baseline"]["requests"][n]
@@ -48,7 +47,9 @@ def build_report(
                     "ttft_s": baseline["ttft_s"],
                 },
                 "identical": all(pd[k] == baseline[k] for k in COMPARED),
-                "embedding": _embedding_check(made_by_encoder, baseline, pd),
+                "embedding": _embedding_check(
+                    _encoded_for(request, requests, results["encoder"]), baseline, pd
+                ),
             }
         )
     return {
@@ -68,23 +69,37 @@ def build_report(
     }
 
 
-def _produced(result: dict[str, Any]) -> set[str]:
-    """Digests of every image embedding an engine's vision side produced in its requests."""
-    return {d for r in result["requests"] for d in r["embeddings"]["produced"]}
+def _encoded_for(
+    request: dict[str, Any], requests: list[dict[str, Any]], encoder: dict[str, Any]
+) -> str | None:
+    """The digest of what the encoder engine computed for this request's image: in the first
+    request naming the same image (a repeat is not encoded again), or ``None``."""
+    for n, other in enumerate(requests):
+        same = (other["image_seed"], other.get("uuid")) == (
+            request["image_seed"],
+            request.get("uuid"),
+        )
+        produced = encoder["requests"][n]["embeddings"]["produced"]
+        if same and produced is not None:
+            return str(produced)
+    return None
 
 
 def _embedding_check(
-    made_by_encoder: set[str], baseline: dict[str, Any], pd: dict[str, Any]
+    encoded: str | None, baseline: dict[str, Any], pd: dict[str, Any]
 ) -> dict[str, Any]:
-    """Whether PD's language model was fed exactly the image embedding(s) the baseline's
-    was (``same_as_baseline``), and only embeddings the encoder engine computed (``from_encoder``:
-    what the cache delivered, or vLLM's own copy of it, is what the encoder saved); and the
-    tokens each engine's steps embedded for the request (``steps``: PD's, the baseline's)."""
-    fed = pd["embeddings"]["fed"]
+    """Whether PD's language model was fed the same image embedding bytes as the baseline's
+    (``same_as_baseline``) and exactly what the encoder engine computed for this request's
+    image (``from_encoder``: what the cache delivered, or vLLM's own copy of it); ``fed``:
+    whether both PD's and the baseline's models were seen being fed one; the tokens each
+    engine's steps embedded (``steps``: PD's, the baseline's)."""
+    fed, baseline_fed = pd["embeddings"]["fed"], baseline["embeddings"]["fed"]
     return {
-        "same_as_baseline": bool(fed) and fed == baseline["embeddings"]["fed"],
-        "from_encoder": bool(fed) and all(d in made_by_encoder for d in fed),
-        "steps": [pd["embeddings"].get("steps", []), baseline["embeddings"].get("steps", [])],
+        "fed": fed is not None and baseline_fed is not None,
+        "same_as_baseline": fed is not None and fed == baseline_fed,
+        "from_encoder": fed is not None and fed == encoded,
+        "encoded": encoded is not None,
+        "steps": [pd["embeddings"]["steps"], baseline["embeddings"]["steps"]],
     }
 
 
@@ -177,6 +192,11 @@ def _summary(report: dict[str, Any]) -> list[str]:
 def _why(n: int, row: dict[str, Any]) -> str:
     """What the image embeddings say about a request whose output differs."""
     check = row["embedding"]
+    if not check["fed"]:
+        return (
+            f"Request {n}: no image embedding was seen entering PD's or the baseline's model: "
+            "no diagnosis."
+        )
     if check["same_as_baseline"]:
         pd_steps, base_steps = check["steps"]
         split = (
@@ -196,9 +216,14 @@ def _why(n: int, row: dict[str, Any]) -> str:
             "differs from the one the baseline computed itself: the two engines' vision "
             "towers did not compute the same bits."
         )
+    if not check["encoded"]:
+        return (
+            f"Request {n}: PD was fed other bytes than the baseline, and the encoder engine "
+            "computed nothing for this image to compare them with: no diagnosis."
+        )
     return (
-        f"Request {n}: PD's language model was fed an image embedding the encoder engine "
-        "never computed: the cache delivered a wrong tensor."
+        f"Request {n}: PD's language model was fed other bytes than the encoder engine "
+        "computed for this image: the cache delivered a wrong tensor."
     )
 
 
