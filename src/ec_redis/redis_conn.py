@@ -125,8 +125,8 @@ def make_client(config: CacheConfig) -> Any:
         }
         if config.sentinel_password:
             sentinel_kwargs["password"] = config.sentinel_password
-        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-        return sentinel.master_for(  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]
+        return sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
             target.service,
             redis_class=SentinelMasterClient,
             max_connections=config.redis_max_connections,  # bounded: extra calls fail fast
