@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import pytest
@@ -445,14 +446,11 @@ def test_a_child_lost_with_a_handed_write_is_retried_off_the_engines_thread(
         cache.close()
 
 
-def waiting_in(thread: threading.Thread, function: str) -> bool:
-    """Whether ``thread`` sleeps in a Condition.wait called from ``function``."""
+def in_function(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is in ``function`` (near the top of its stack: waiting for a lock
+    there, or in a Condition.wait called from it)."""
     frame = sys._current_frames().get(thread.ident or -1)
-    return (
-        frame is not None
-        and any(f.f_code.co_name == "wait" for f in _stack(frame)[:3])
-        and any(f.f_code.co_name == function for f in _stack(frame)[:4])
-    )
+    return frame is not None and any(f.f_code.co_name == function for f in _stack(frame)[:4])
 
 
 def _stack(frame: Any) -> list[Any]:
@@ -466,18 +464,14 @@ def _stack(frame: Any) -> list[Any]:
 def test_a_writer_thread_that_looks_for_a_child_while_it_is_being_handed_a_write_is_not_stranded(
     monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:
-    """``ProcessSink.dispatch`` takes the idle child (now busy), sends the peek request and
-    only then registers it in ``_handed`` -- without notifying ``_cond``. A writer thread
-    (writer_threads: 1, one child) whose queued write's copy ends in that window enters
-    ``_take``: no idle child, no room to start one, no handed write to collect yet ->
-    ``self._cond.wait()`` with no timeout. Nobody notifies it until someone else releases
-    the child: the engine's ``collect``. An engine that then waits (``wait_written`` in
-    ``_await_step_saves``, ``flush``) or goes idle strands both writes: the writer thread's
-    due/urgent collection (this change's fallback for an idle engine) never runs because the
-    only writer thread is inside the sink.
+    """A writer thread (writer_threads: 1, one child) whose queued write's copy ends while
+    the engine's thread is handing another write over looks for a child in ``_take``. It
+    once slept there with nobody to wake it: ``dispatch`` took the idle child, sent the
+    request, and only then registered it in ``_handed`` -- without notifying ``_cond``. Now
+    the request is sent and registered under ``_cond`` (the send never blocks), with a
+    notify, so the writer thread either finds the handed write to collect or is woken.
 
-    Expected: both writes land while the engine's thread only waits. Current code: the wait
-    times out (the writer thread sleeps in ProcessSink._take until cache.close)."""
+    Expected: both writes land while the engine's thread only waits."""
     cache = connected(redis_url)
     try:
         writer = cache.writer
@@ -493,7 +487,7 @@ def test_a_writer_thread_that_looks_for_a_child_while_it_is_being_handed_a_write
             # The engine's thread holds the child (busy, not yet in _handed); the copy of
             # "a" ends now and the writer thread looks for a child.
             event.done.set()
-            wait_for(lambda: waiting_in(thread, "_take"), 5, "the writer thread in _take")
+            wait_for(lambda: in_function(thread, "_take"), 5, "the writer thread in _take")
             real(self, key, tensor)
 
         monkeypatch.setattr(process_module.WriterProcess, "send_peek", send_peek)
@@ -537,7 +531,7 @@ def test_collect_never_kills_or_reaps_a_child_on_the_engines_thread(redis_url: s
         assert stat(cache, "process_dispatched") == 2
         (entry,) = list(writer._dispatched)
         child = entry.dispatched.child
-        child._next_id += 1  # the reply on its way is now out of turn
+        child._out[0] += 1  # the reply on its way is now out of turn
         wait_for(child.answered, 30, "the child's reply")
         process_module.WriterProcess.kill = kill  # type: ignore[method-assign]
         started = time.monotonic()
@@ -579,3 +573,147 @@ def test_every_handed_write_is_counted_once_and_lands(
             assert bit_exact(read_back(redis_url, key), item), key
     finally:
         cache.close()
+
+
+@contextmanager
+def child_stopped(cache: TieredCache) -> Iterator[int]:
+    """The cache's one writer process stopped (SIGSTOP) for the block; SIGCONT always
+    follows. Yields its pid."""
+    sink = cache.process_sink
+    assert sink is not None
+    (pid,) = sink.pids()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        with suppress(ProcessLookupError):  # killed and reaped meanwhile
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_step_that_saved_several_items_hands_them_all_to_the_one_child(
+    writing: TieredCache, redis_url: str
+) -> None:
+    """One child, busy with the first item of a step (here: stopped, so it stays busy):
+    the step's other items join its pipe instead of waiting for the arena on a writer
+    thread (where a producer's step then waited for them: ``save_wait_s``), and handing
+    them over returns at once. Each lands whole, counted once."""
+    items = {f"img{i}": embedding(1024, 256, seed=10 + i) for i in range(6)}
+    with child_stopped(writing):
+        started = time.monotonic()
+        for key, item in items.items():
+            assert writing.put(key, item)
+        handed_s = time.monotonic() - started
+        assert stat(writing, "process_dispatched") == 1 + len(items)  # "warm", then these
+        assert writing.writer is not None
+        assert writing.writer.depth() == (len(items), 0)  # all in flight, none queued
+    assert handed_s < 2.0  # ~1 ms expected; a send that waited for the child never returns
+    assert writing.flush(30)
+    assert stat(writing, "written") == 1 + len(items)
+    assert stat(writing, "process_fallback_writes") == 0
+    assert stat(writing, "process_deaths") == 0
+    assert arena_bytes(writing) == 0  # every item read where it was
+    for key, item in items.items():
+        assert bit_exact(read_back(redis_url, key), item), key
+
+
+def test_a_child_lost_with_several_handed_writes_is_counted_once_and_each_write_lands(
+    private_redis: EmbeddedRedis,
+) -> None:
+    """The child dies (SIGKILL) with five handed writes out, none answered: it is reaped
+    and counted once, and each of the five gets its one retry and lands whole."""
+    url = emptied(private_redis)
+    cache = connected(url)
+    try:
+        items = {f"img{i}": embedding(512, 256, seed=20 + i) for i in range(5)}
+        with child_stopped(cache) as pid:
+            for key, item in items.items():
+                assert cache.put(key, item)
+            assert stat(cache, "process_dispatched") == 1 + len(items)
+            os.kill(pid, signal.SIGKILL)
+        assert cache.flush(60)
+        assert stat(cache, "process_deaths") == 1
+        assert stat(cache, "process_retried_writes") == len(items)
+        assert stat(cache, "written") == 1 + len(items)
+        for key, item in items.items():
+            assert bit_exact(read_back(url, key), item), key
+        sink = cache.process_sink
+        assert sink is not None and sink.pids() and sink.pids()[0] != pid
+        assert cache.put("after", embedding(16, 16)) and cache.flush(30)  # engine unharmed
+    finally:
+        cache.close()
+
+
+def test_handing_over_never_waits_for_room_in_the_childs_socket(redis_url: str) -> None:
+    """A stopped child reads no request: once its socket is full (long item ids, ~60 KB a
+    request, fill it in a few), a hand-over returns at once without handing anything and
+    the write is queued for a writer thread; every write lands once the child runs again."""
+    cache = connected(redis_url)
+    try:
+        long = "x" * 60_000
+        items = {f"{long}{i}": embedding(64, 64, seed=30 + i) for i in range(12)}
+        with child_stopped(cache):
+            started = time.monotonic()
+            for key, item in items.items():
+                assert cache.put(key, item)
+            handed_s = time.monotonic() - started
+            handed = stat(cache, "process_dispatched") - 1
+        assert handed_s < 2.0  # ~10 ms expected; a send that waited for room never returns
+        assert 1 < handed < len(items), handed  # some joined the pipe, then the socket filled
+        assert cache.flush(60)
+        assert stat(cache, "written") == 1 + len(items)
+        assert stat(cache, "process_deaths") == 0
+        for key, item in items.items():
+            assert bit_exact(read_back(redis_url, key), item), key[-8:]
+    finally:
+        cache.close()
+
+
+def test_handed_writes_hold_at_most_the_queues_bytes(redis_url: str) -> None:
+    """Handed writes keep their host copies until answered: with the child stopped, no more
+    than ``write_queue_bytes`` of them are held that way; the rest are queued."""
+    item_bytes = 256 * 256 * 2
+    cache = TieredCache.from_config(settings(redis_url, write_queue_bytes=3 * item_bytes + 100))
+    try:
+        assert cache.warm_writes(60)
+        assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
+        writer = cache.writer
+        assert writer is not None
+        items = {f"img{i}": embedding(256, 256, seed=40 + i) for i in range(5)}
+        with child_stopped(cache):
+            for key, item in items.items():
+                assert cache.put(key, item)
+            assert stat(cache, "process_dispatched") == 1 + 3
+            assert writer._handed_bytes <= 3 * item_bytes + 100
+        assert cache.flush(60)
+        assert writer._handed_bytes == 0 and writer._handed_items == 0
+        assert stat(cache, "written") == 1 + len(items)
+        for key, item in items.items():
+            assert bit_exact(read_back(redis_url, key), item), key
+    finally:
+        cache.close()
+
+
+def test_a_writer_process_runs_beyond_the_cores_vllm_bound_the_workers_thread_to(
+    redis_url: str,
+) -> None:
+    """vLLM's CPU backend binds a worker's main thread to its compute cores; a child that
+    inherited that ran only when the worker's busy loop let it. The child runs on the CPUs
+    of the process that started this one (the engine, as an operator pinned it)."""
+    engine_cpus = os.sched_getaffinity(os.getppid())
+    if len(engine_cpus) < 2:
+        pytest.skip(f"this process's parent may run on one CPU only ({engine_cpus})")
+    bound = {min(engine_cpus)}
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, bound)  # this thread only, as vLLM binds a worker's
+    try:
+        cache = TieredCache.from_config(settings(redis_url))
+        try:
+            assert cache.warm_writes(60), "the writer process never came up"
+            sink = cache.process_sink
+            assert sink is not None
+            (pid,) = sink.pids()
+            assert os.sched_getaffinity(pid) == engine_cpus | bound
+        finally:
+            cache.close()
+    finally:
+        os.sched_setaffinity(0, before)

@@ -15,8 +15,10 @@ With a ``Dispatcher`` (writer processes that read an item where it is: ``offload
 the engine's thread hands writes over itself: in ``submit`` when the dispatcher takes the
 write at once, later (``dispatch``, at the end of its step) for those queued meanwhile (a
 GPU item whose host copy was not ready). A write handed over skips the queue; until its
-outcome is collected it is pending (read-your-writes) like any other. A queued write a
-writer thread took first is written the normal way.
+outcome is collected it is pending (read-your-writes) like any other, and its host copy is
+held: handed writes are bounded like the queue, by ``max_items`` and ``max_bytes`` of their
+own (a write beyond them is queued instead). A queued write a writer thread took first is
+written the normal way.
 
 Handing over wakes no thread here: a thread woken in the middle of the engine's step would
 take the GIL from it, and on a machine whose cores are busy (the writer process and Redis
@@ -99,6 +101,8 @@ class BackgroundWriter:
         # in flight through the dispatcher, per key, oldest first (a key may be written
         # again before an earlier write of it is done)
         self._handed: dict[str, list[HostCopy]] = {}
+        self._handed_items = 0  # in ``_handed``, and the bytes their host copies hold
+        self._handed_bytes = 0
         self._spent: list[HostCopy] = []  # collected by the engine's thread, dropped by ours
         self._spent_bytes = 0
         self._on_lost = on_lost
@@ -157,6 +161,11 @@ class BackgroundWriter:
         """(Under the lock.) Hand the write to the dispatcher now, if it takes it."""
         if self._dispatcher is None:
             return False
+        if (
+            self._handed_items >= self._max_items
+            or self._handed_bytes + host.nbytes > self._max_bytes
+        ):
+            return False  # held until written: bounded like the queue
         try:
             dispatched = self._dispatcher.dispatch(key, host)
         except Exception as exc:  # handing over is a shortcut: the queue takes the write
@@ -166,6 +175,8 @@ class BackgroundWriter:
             return False
         _add(self._in_flight, key, host)
         _add(self._handed, key, host)
+        self._handed_items += 1
+        self._handed_bytes += host.nbytes
         due = time.monotonic() + self._collect_after_s
         self._dispatched.append(_Handed(key, host, dispatched, due))  # no thread woken
         return True
@@ -221,7 +232,9 @@ class BackgroundWriter:
     def _done(self, key: str, host: HostCopy) -> None:
         """(Under the lock.) The write of ``host`` under ``key`` is no longer in flight."""
         _remove(self._in_flight, key, host)
-        _remove(self._handed, key, host)
+        if _remove(self._handed, key, host):
+            self._handed_items -= 1
+            self._handed_bytes -= host.nbytes
 
     def _lose(self, keys: list[str]) -> None:
         with self._cond:
@@ -449,12 +462,16 @@ def _add(writes: dict[str, list[HostCopy]], key: str, host: HostCopy) -> None:
     writes.setdefault(key, []).append(host)
 
 
-def _remove(writes: dict[str, list[HostCopy]], key: str, host: HostCopy) -> None:
-    """Forget the write of ``host`` (by identity) under ``key``, and the key with its last."""
+def _remove(writes: dict[str, list[HostCopy]], key: str, host: HostCopy) -> bool:
+    """Forget the write of ``host`` (by identity) under ``key``, and the key with its last;
+    whether it was there."""
     hosts = writes.get(key, [])
+    found = False
     for i, other in enumerate(hosts):
         if other is host:
             del hosts[i]
+            found = True
             break
     if not hosts:
         writes.pop(key, None)
+    return found

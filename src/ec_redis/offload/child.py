@@ -1,9 +1,10 @@
 """The writer process: ``python -P -m ec_redis.offload.child SOCKET_FD ARENA_FD PARENT_PID``.
 
 It reads one setup message (``handshake.py``: the cache's configuration, the model identity,
-the parent's producer id and code fingerprint). If its own code differs it answers
-``refused`` and exits; else it builds its own ``RedisTier`` and client, answers ``ready``
-with its fingerprint, then serves one request at a time until its parent is gone:
+the parent's producer id and code fingerprint; and the CPUs to run on,
+``process.writer_cpus``). If its own code differs it answers ``refused`` and exits; else it
+builds its own ``RedisTier`` and client, answers ``ready`` with its fingerprint, then serves
+its requests one at a time, in the order sent, until its parent is gone:
 
 - ``{"op": "put", "id", "key", "dtype", "shape", "nbytes", "size"}``: write the item whose
   bytes the parent put at the start of the arena (``size``: the arena's size then);
@@ -30,6 +31,7 @@ no sign of the parent's death.)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import select
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> int:
         reason = f"it runs ec_redis {code}, its parent {spec.get('code')!s:.80}"
         _answer(sock, {"op": "refused", "reason": reason})
         return 1
+    _place(spec.get("cpus"))
     config, identity = handshake.read(spec)
     peeks = peek.probe_works(parent, spec.get("probe"))
     tier = redis_tier(config, identity, make_client(config))
@@ -92,6 +95,15 @@ def main(argv: list[str]) -> int:
 def run() -> None:
     """The entry point of ``python -c`` (Python < 3.11, which has no ``-P``)."""
     sys.exit(main(sys.argv[1:]))
+
+
+def _place(cpus: object) -> None:
+    """Run on ``cpus`` (``process.writer_cpus``); where they cannot be had (a cpuset that
+    excludes them all, an odd list), stay where the parent's thread was."""
+    if not isinstance(cpus, list) or not cpus or not all(isinstance(c, int) for c in cpus):
+        return
+    with contextlib.suppress(OSError, ValueError, OverflowError):
+        os.sched_setaffinity(0, cpus)
 
 
 def _next(sock: socket.socket, parent: int) -> dict[str, Any] | None:

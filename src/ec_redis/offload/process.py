@@ -2,10 +2,15 @@
 
 The rule that keeps the arena safe: once a request went out, the child may read the arena
 until it answers that request, so ``in_flight`` stays set through every way out of ``call``
-but a valid reply to it. The pool (``sink.py``) hands a child another item only when
+but a valid reply to it. The pool (``sink.py``) hands a child an arena write only when
 ``in_flight`` is clear; any other child is killed and reaped, and only then is its arena
 dropped. A request the socket cannot carry (``wire.TooLarge``) was never sent: the child
 stays clean.
+
+Requests to read an item where it is (``send_peek``) use no arena, so several may be out at
+once: the child serves them in the order sent and answers each in that order, and every
+reply must name the oldest request still out (else the child broke the protocol). They are
+sent without ever blocking (``wire.Full`` when the socket has no room: nothing was sent).
 
 A fork of the parent (``multiprocessing``'s default start method, a forking server) copies
 this object. The copy forgets the child at once: it closes its end of the socket (else the
@@ -22,6 +27,7 @@ import socket
 import subprocess
 import sys
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,8 +37,6 @@ import torch
 import ec_redis
 from ec_redis.offload import peek, wire
 from ec_redis.offload.arena import KEEP_BYTES, Arena
-
-_SEND_TIMEOUT_S = 1.0  # an idle child's socket has room for a request: never reached
 
 
 class ChildGone(Exception):
@@ -52,10 +56,11 @@ class WriterProcess:
     def __init__(self, spec: Mapping[str, Any], arena_limit: int, start_timeout_s: float) -> None:
         self.arena = Arena(arena_limit)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.in_flight = False  # a request went out and no valid reply to it came back
         self.gone = False  # killed, or forgotten in a fork
         self.pidfd = -1  # readable once the child exited (-1: no pidfd_open here)
         self._next_id = 0
+        self._out: deque[int] = deque()  # ids of the requests sent and not answered, oldest first
+        self._tx: socket.socket | None = None  # sends handed requests, never blocking
         try:
             ours, theirs = wire.pair()
         except BaseException:
@@ -80,14 +85,28 @@ class WriterProcess:
             theirs.close()
             self._theirs = None
             ours.settimeout(start_timeout_s)
-            wire.send(ours, {**spec, "probe": probe.spec()})
+            wire.send(ours, {**spec, "probe": probe.spec(), "cpus": writer_cpus()})
             ready = wire.receive(ours)
             _check_ready(ready, str(spec.get("code")))
             self.peeks = ready.get("peek") is True
+            # A second handle on the same socket, non-blocking, for handed requests: its
+            # timeout is its own, so a thread receiving on ``sock`` meanwhile keeps its own.
+            self._tx = ours.dup()
+            self._tx.settimeout(0.0)
         except BaseException:
             theirs.close()
             self.kill()
             raise
+
+    @property
+    def in_flight(self) -> bool:
+        """A request went out and no valid reply to it came back."""
+        return bool(self._out)
+
+    @property
+    def out(self) -> int:
+        """How many requests are out."""
+        return len(self._out)
 
     @property
     def pid(self) -> int:
@@ -106,15 +125,26 @@ class WriterProcess:
 
     def send_peek(self, key: str, tensor: torch.Tensor) -> None:
         """Ask the child to write ``tensor`` (contiguous, on the host) under ``key``, reading
-        its bytes where they are (``peek.py``); returns once the request is out, without
-        waiting. The caller keeps ``tensor`` alive and unchanged until ``await_reply``
-        returned or the child was killed. Raises like ``call``."""
-        self.send(
-            {"op": "peek", "key": key, "dtype": wire.dtype_name(tensor.dtype),
-             "shape": list(tensor.shape), "nbytes": tensor.numel() * tensor.element_size(),
-             "address": tensor.data_ptr()},
-            _SEND_TIMEOUT_S,
-        )  # fmt: skip
+        its bytes where they are (``peek.py``); returns once the request is out, never
+        waiting, also with other requests out (the child answers in order). The caller keeps
+        ``tensor`` alive and unchanged until its reply was taken or the child was killed.
+        ``wire.Full`` (or ``wire.TooLarge``): not sent. ``ChildGone`` otherwise."""
+        request = {
+            "op": "peek", "key": key, "dtype": wire.dtype_name(tensor.dtype),
+            "shape": list(tensor.shape), "nbytes": tensor.numel() * tensor.element_size(),
+            "address": tensor.data_ptr(), "id": self._next_id + 1,
+        }  # fmt: skip
+        if self.gone or self._tx is None:
+            raise ChildGone("the writer process was already given up")
+        data = wire.encode(request, self.capacity)  # TooLarge here: nothing went out
+        try:
+            wire.send_now(self._tx, data)
+        except wire.TooLarge:  # Full included: refused whole, nothing went out
+            raise
+        except wire.WireError as exc:
+            raise self._gone(str(exc)) from exc
+        self._next_id += 1
+        self._out.append(self._next_id)
 
     def call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send ``request``, return the child's reply to it. ``wire.TooLarge``: not sent.
@@ -126,29 +156,30 @@ class WriterProcess:
         """Send ``request`` (numbered here); ``in_flight`` from then on (see ``call``)."""
         if self.gone:
             raise ChildGone("the writer process was already given up")
-        self._next_id += 1
-        request["id"] = self._next_id
+        request["id"] = self._next_id + 1
         data = wire.encode(request, self.capacity)  # TooLarge here: nothing went out
-        self.in_flight = True
+        self._next_id += 1
+        self._out.append(self._next_id)
         try:
             self.sock.settimeout(timeout_s)
             wire.send_bytes(self.sock, data)
         except wire.TooLarge:
-            self.in_flight = False  # EMSGSIZE: the datagram was refused whole
+            self._out.pop()  # EMSGSIZE: the datagram was refused whole
             raise
         except wire.WireError as exc:
             raise self._gone(str(exc)) from exc
 
     def await_reply(self, timeout_s: float) -> dict[str, Any]:
-        """The reply to the request out (see ``call``)."""
+        """The reply to the oldest request out (see ``call``); one thread at a time."""
         try:
             self.sock.settimeout(timeout_s)
             reply = wire.receive(self.sock)
         except wire.WireError as exc:
             raise self._gone(str(exc)) from exc
-        if reply.get("id") != self._next_id or not isinstance(reply.get("counters"), dict):
+        oldest = self._out[0] if self._out else None
+        if reply.get("id") != oldest or not isinstance(reply.get("counters"), dict):
             raise self._gone(f"a reply out of turn: {reply!r:.200}")
-        self.in_flight = False
+        self._out.popleft()
         return reply
 
     def answered(self) -> bool:
@@ -170,6 +201,7 @@ class WriterProcess:
         or one with a request out, is killed)."""
         if not self.in_flight:
             self.sock.close()
+            self._close_tx()
             if self.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout_s)
@@ -179,6 +211,7 @@ class WriterProcess:
         """Kill and reap the child, then drop its arena (never while the child may read it)."""
         self.gone = True
         self.sock.close()
+        self._close_tx()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             try:
@@ -187,6 +220,11 @@ class WriterProcess:
                 return
         self._close_pidfd()
         self.arena.close()
+
+    def _close_tx(self) -> None:
+        if self._tx is not None:
+            with contextlib.suppress(OSError):
+                self._tx.close()
 
     def _close_pidfd(self) -> None:
         if self.pidfd >= 0:
@@ -203,6 +241,7 @@ class WriterProcess:
         self.proc = None  # not this process's child: never signalled, never waited for
         with contextlib.suppress(OSError):
             self.sock.close()
+            self._close_tx()
             if self._theirs is not None:  # forked while the child was being started
                 self._theirs.close()
             self._close_pidfd()
@@ -218,6 +257,19 @@ def _check_ready(reply: dict[str, Any], code: str) -> None:
         raise ChildRefused(
             f"the writer process runs ec_redis {reply.get('code')!s:.80}, this process {code}"
         )
+
+
+def writer_cpus() -> list[int]:
+    """The CPUs a writer process runs on: this thread's and those of the process that started
+    this one (the engine that started the worker). An operator's pinning of the engine
+    (``taskset``, a cpuset) covers both, so the child stays inside it; but vLLM's CPU backend
+    binds each worker's compute threads, its main thread included, to cores of their own,
+    where a child inheriting that binding ran only when the worker's busy loop let it: on two
+    cores with two engines, writes waited seconds for a core (docs/benchmarks.md)."""
+    cpus = os.sched_getaffinity(0)
+    with contextlib.suppress(OSError):  # the parent gone, or hidden from this process
+        cpus |= os.sched_getaffinity(os.getppid())
+    return sorted(cpus)
 
 
 def _pidfd(pid: int) -> int:

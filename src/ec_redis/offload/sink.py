@@ -9,12 +9,16 @@ past ``reply_timeout_s`` or was left with a request out by any error here is kil
 reaped, and only then is its arena dropped. Its write is retried once in a fresh child.
 
 An engine's main thread may also hand a write over itself (``dispatch``, at the end of its
-step): to an idle child that reads the item's bytes out of this process's memory
-(``peek.py``), with one message and no copy, so no thread of the engine is needed for the
-write to land; its reply is collected later, without blocking, by the engine's thread
-(``settle``) or, when that needs a write made here or takes too long, by a writer thread
-(``finish``; ``writer.py``). A dispatch that finds
-no such child does nothing and the write takes the normal way.
+step): to a child that reads the item's bytes out of this process's memory (``peek.py``),
+with one message and no copy, so no thread of the engine is needed for the write to land.
+A child may hold several handed writes at once (up to ``MAX_HANDED``: a step that saved
+several items hands them all to one child, which writes them in order); they form its
+*pipe*, and the child takes no arena write until every reply in it was taken. Replies are
+collected later, without blocking, by the engine's thread (``settle``) or, when that needs a
+write made here or takes too long, by a writer thread (``finish``; ``writer.py``), in the
+order sent, whoever collects. A child lost with a pipe is killed and reaped once, counted
+once, and each write of its pipe gets its one retry. A dispatch that finds no such child, or
+no room in its socket (it never waits), does nothing and the write takes the normal way.
 
 Writes run on the calling thread through ``fallback`` (counted) whenever no child can take
 them: none up yet, starts backed off, a request too large for the socket (a very long item
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -42,6 +47,7 @@ from ec_redis.tiers.transfer import HostCopy
 
 Fallback = Callable[[str, HostCopy], bool]
 Settled = Literal["written", "failed", "waiting", "writer"]
+MAX_HANDED = 64  # handed writes one child holds at most (the writer bounds their bytes)
 DEFAULT_BACKOFF = Backoff(base_s=10.0, max_s=600.0)
 _COUNTERS = (
     "starts", "start_failures", "deaths", "retried_writes", "fallback_writes", "dispatched",
@@ -50,16 +56,30 @@ _COUNTERS = (
 
 
 class Dispatched:
-    """A write handed to ``child`` by ``dispatch``. Holds the host copy: its bytes stay alive
-    and where the child reads them until its reply is collected (``reply``, once: by the
-    writer thread in ``finish``, or earlier by any thread that needs the child)."""
+    """A write handed to a child by ``dispatch``, in its ``pipe``. Holds the host copy: its
+    bytes stay alive and where the child reads them until its reply is collected (``reply``,
+    once: by whichever thread reads the pipe's replies up to it)."""
 
-    def __init__(self, child: WriterProcess, host: HostCopy) -> None:
-        self.child = child
+    def __init__(self, pipe: Pipe, host: HostCopy) -> None:
+        self.pipe = pipe
         self.host = host
-        self.lock = threading.Lock()
         self.collected = False
         self.reply: dict[str, Any] | None = None  # None once collected: the child was lost
+
+    @property
+    def child(self) -> WriterProcess:
+        return self.pipe.child
+
+
+class Pipe:
+    """The handed writes of one child whose replies are not taken yet, in the order sent,
+    which is the order of the replies. Busy while it has any; ended (the child idle again,
+    or lost) when the last is taken."""
+
+    def __init__(self, child: WriterProcess) -> None:
+        self.child = child
+        self.lock = threading.Lock()  # held by the thread reading its replies
+        self.waiting: deque[Dispatched] = deque()  # sent, reply not taken (the sink's lock)
         self.broken: ChildGone | None = None  # seen by ``settle``: a writer thread ends it
 
 
@@ -87,7 +107,7 @@ class ProcessSink:
         self._idle: list[WriterProcess] = []
         self._busy: set[WriterProcess] = set()
         self._exited_busy: set[WriterProcess] = set()  # seen dead mid-request: left to it
-        self._handed: dict[WriterProcess, Dispatched] = {}  # busy with a reply uncollected
+        self._handed: dict[WriterProcess, Pipe] = {}  # busy with handed writes out
         self._cond = threading.Condition()
         self._starting = 0
         self._starters: list[threading.Thread] = []
@@ -129,40 +149,64 @@ class ProcessSink:
         return self._fallback(key, host)
 
     def dispatch(self, key: str, host: HostCopy) -> Dispatched | None:
-        """(The engine's main thread, never blocking.) Hand the write of ``key`` to an idle
-        child that reads the bytes where they are; ``None`` (nothing done) when none can,
-        or the bytes are not ready on the host yet."""
+        """(The engine's main thread, never blocking.) Hand the write of ``key`` to a child
+        that reads the bytes where they are: one whose pipe has room, else an idle one;
+        ``None`` (nothing done) when none can, its socket has no room now, or the bytes are
+        not ready on the host yet."""
         tensor = host.tensor
         ready = host.ready is None or host.ready.query()  # type: ignore[no-untyped-call]
         if not ready or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
-        child = self._take(start=False, peeking=True)
-        if child is None:
-            return None
-        try:
-            child.send_peek(key, tensor)
-        except wire.TooLarge:
-            self._release(child)
-            return None
-        except ChildGone as exc:
-            self._release(child)
-            self._died(child, f"while handing over {_shown(key)} ({exc})")
-            return None
-        except BaseException:
-            self._release(child)  # killed if its request went out
-            raise
-        self.counters.inc("dispatched")
-        dispatched = Dispatched(child, host)
         with self._cond:
-            self._handed[child] = dispatched
-            self._cond.notify_all()  # a writer thread waiting in _take for a child collects it
-        return dispatched
+            pipe = self._pipe_with_room()
+            fresh = pipe is None
+            if pipe is None:
+                child = self._take(start=False, peeking=True)
+                if child is None:
+                    return None
+                pipe = Pipe(child)
+            try:  # never blocks, so under the lock: a reader meanwhile sees it whole
+                pipe.child.send_peek(key, tensor)
+            except wire.TooLarge:  # Full included: nothing went out
+                if not fresh:
+                    return None
+                failed: BaseException | None = None
+            except BaseException as exc:  # ChildGone, or a bug here
+                if not fresh:  # requests are out: a writer thread ends the pipe
+                    pipe.broken = exc if isinstance(exc, ChildGone) else ChildGone(repr(exc))
+                    return None
+                failed = exc
+            else:
+                dispatched = Dispatched(pipe, host)
+                pipe.waiting.append(dispatched)
+                self._handed[pipe.child] = pipe
+                self.counters.inc("dispatched")
+                self._cond.notify_all()  # a writer thread waiting in _take collects it
+                return dispatched
+        self._release(pipe.child)  # a fresh child with a request out is killed
+        if isinstance(failed, ChildGone):
+            self._died(pipe.child, f"while handing over {_shown(key)} ({failed})")
+        elif failed is not None:
+            raise failed
+        return None
+
+    def _pipe_with_room(self) -> Pipe | None:
+        """(Under the lock.) A pipe a handed write may join: its child reads items where
+        they are, is sound, and holds fewer than ``MAX_HANDED``."""
+        for pipe in self._handed.values():
+            child = pipe.child
+            if (
+                pipe.broken is None and child.peeks and not child.gone
+                and len(pipe.waiting) < MAX_HANDED and child not in self._exited_busy
+            ):  # fmt: skip
+                return pipe
+        return None
 
     def finish(self, key: str, dispatched: Dispatched) -> bool:
         """(A writer thread.) The dispatched write's outcome: the child's reply; if the
         child was lost or could not read the bytes, the write made the normal way."""
 
-        reply = self._collect(dispatched, key)
+        reply = self._collect(dispatched)
         if reply is None:  # lost with the write: its one retry
             return self(key, dispatched.host, lost_once=True)
         if reply.get("peek_failed"):  # nothing written: the normal way, from the arena
@@ -175,64 +219,86 @@ class ProcessSink:
     def settle(self, key: str, dispatched: Dispatched) -> Settled:
         """(The engine's thread, never blocking.) The outcome of a handed write if its reply
         is in: ``"written"`` or ``"failed"`` (Redis refused it); ``"waiting"``: not in yet,
-        or another thread is collecting it; ``"writer"``: it needs more than this thread
+        or another thread is reading the pipe; ``"writer"``: it needs more than this thread
         does, which ``finish`` on a writer thread does: a write made here (the child could
         not read the bytes; the reply taken here is kept for it), or a child to kill and
-        reap first (it died, or broke the protocol: nothing waits for a process here)."""
-        if not dispatched.lock.acquire(blocking=False):
-            return "waiting"  # another thread is collecting it
+        reap first (it died, or broke the protocol: nothing waits for a process here).
+        Replies of earlier writes in the pipe are taken on the way, for their writes."""
+        pipe = dispatched.pipe
+        if not pipe.lock.acquire(blocking=False):
+            return "waiting"  # another thread is reading the pipe
         try:
-            if not dispatched.collected:
-                child = dispatched.child
-                if dispatched.broken is not None or self._closed:
+            while not dispatched.collected:
+                if pipe.broken is not None or self._closed:
                     return "writer"
-                if not child.answered():
+                if not pipe.child.answered():
                     return "waiting"
                 try:
-                    answer = child.await_reply(self._reply_timeout_s)  # in: returns at once
+                    answer = pipe.child.await_reply(self._reply_timeout_s)  # in: at once
                 except ChildGone as exc:
-                    dispatched.broken = exc
+                    pipe.broken = exc
                     return "writer"
-                _note_peek(child, answer)
-                self._accept(child, answer)
-                dispatched.reply, dispatched.collected = answer, True
-                self._unhand(dispatched)
+                self._took(pipe, answer)
             reply = dispatched.reply
         finally:
-            dispatched.lock.release()
+            pipe.lock.release()
         if reply is None or reply.get("peek_failed"):
             return "writer"
         with self._cond:
             self._strikes.served()
         return "written" if reply.get("ok") else "failed"
 
-    def _collect(
-        self, dispatched: Dispatched, key: str = "a handed write"
-    ) -> dict[str, Any] | None:
-        """The reply to a handed write, collected once (``Dispatched``); ``None``: the child
-        was lost with it (killed, reaped, counted)."""
+    def _collect(self, dispatched: Dispatched) -> dict[str, Any] | None:
+        """The reply to a handed write, waited for (replies of earlier ones in its pipe are
+        taken on the way); ``None``: the child was lost with it (killed, reaped, counted
+        once for the pipe; every write still in it is lost too)."""
+        pipe = dispatched.pipe
+        with pipe.lock:
+            while not dispatched.collected:
+                if pipe.broken is None:
+                    try:
+                        answer = pipe.child.await_reply(self._reply_timeout_s)
+                    except ChildGone as exc:
+                        pipe.broken = exc
+                    except BaseException as exc:  # left with requests out: killed below
+                        pipe.broken = ChildGone(f"to an error here ({exc!r})")
+                        self._end(pipe, strike=False)
+                        raise
+                    else:
+                        self._took(pipe, answer)
+                        continue
+                self._end(pipe)
+        return dispatched.reply
 
-        def collect(child: WriterProcess) -> dict[str, Any]:
-            if dispatched.broken is not None:  # seen by ``settle``, ended here
-                raise dispatched.broken
-            reply = child.await_reply(self._reply_timeout_s)
-            _note_peek(child, reply)
-            return reply
-
-        with dispatched.lock:
-            if not dispatched.collected:
-                try:
-                    what = f"while writing {_shown(key)}"
-                    dispatched.reply = self._ask(dispatched.child, what, collect)
-                finally:
-                    dispatched.collected = True
-                    self._unhand(dispatched)
-            return dispatched.reply
-
-    def _unhand(self, dispatched: Dispatched) -> None:
+    def _took(self, pipe: Pipe, reply: dict[str, Any]) -> None:
+        """(Holding ``pipe.lock``.) ``reply``, valid, answers the oldest write in ``pipe``:
+        counted; the child idle again once the pipe is empty."""
+        _note_peek(pipe.child, reply)
+        self._add(reply["counters"])
+        self._breakers(reply.get("breakers"))
         with self._cond:
-            if self._handed.get(dispatched.child) is dispatched:
-                del self._handed[dispatched.child]
+            dispatched = pipe.waiting.popleft()
+            dispatched.reply, dispatched.collected = reply, True
+            if pipe.waiting:
+                return
+            del self._handed[pipe.child]
+        self._release(pipe.child)
+
+    def _end(self, pipe: Pipe, *, strike: bool = True) -> None:
+        """(Holding ``pipe.lock``.) The child of a broken pipe: every write still in it is
+        lost (collected, no reply); the child killed, reaped and counted once."""
+        with self._cond:
+            lost = list(pipe.waiting)
+            pipe.waiting.clear()
+            for dispatched in lost:
+                dispatched.collected = True
+            if self._handed.get(pipe.child) is pipe:
+                del self._handed[pipe.child]
+        if not lost:
+            return  # ended already
+        self._release(pipe.child)  # killed: requests are out
+        what = f"with {len(lost)} handed write(s) out ({pipe.broken})"
+        self._died(pipe.child, what, strike=strike)
 
     def end_lease(self, key: str) -> bool | None:
         """End the single-flight lease of ``key`` (its write was dropped) through an idle
@@ -321,14 +387,15 @@ class ProcessSink:
                     self._start_async()
                 if backed_off or (self._starting and not wait_for_start):
                     return None
-                handed = next(iter(self._handed.values()), None)
-                if handed is not None:
-                    # Every child busy, one with a handed write whose reply only a writer
-                    # thread collects, and this may be the only one: collect it here, so a
-                    # child comes back (never wait on a child nobody else gives back).
+                pipe = next(iter(self._handed.values()), None)
+                if pipe is not None and pipe.waiting:
+                    # Every child busy, one with handed writes whose replies only a writer
+                    # thread collects, and this may be the only one: collect them here, so
+                    # a child comes back (never wait on a child nobody else gives back).
+                    last = pipe.waiting[-1]
                     self._cond.release()
                     try:
-                        self._collect(handed)
+                        self._collect(last)
                     finally:
                         self._cond.acquire()
                     continue

@@ -37,6 +37,10 @@ class TooLarge(WireError):
     """A message this socket cannot carry in one datagram; nothing of it was sent."""
 
 
+class Full(TooLarge):
+    """No room for the message in the socket now (``send_now``); nothing of it was sent."""
+
+
 def pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
@@ -62,6 +66,21 @@ def send_bytes(sock: socket.socket, data: bytes) -> None:
         if exc.errno == errno.EMSGSIZE:  # refused whole: not a byte of it went out
             raise TooLarge(f"a message of {len(data)} bytes: {exc!r}") from exc
         raise WireError(f"send failed: {exc!r}") from exc
+
+
+def send_now(sock: socket.socket, data: bytes) -> None:
+    """Send ``data`` without waiting (``sock`` is non-blocking): a datagram goes whole or not
+    at all, so ``Full`` means nothing went out."""
+    try:
+        sent = sock.send(data)
+    except BlockingIOError as exc:
+        raise Full(f"no room for a message of {len(data)} bytes now") from exc
+    except OSError as exc:
+        if exc.errno == errno.EMSGSIZE:
+            raise TooLarge(f"a message of {len(data)} bytes: {exc!r}") from exc
+        raise WireError(f"send failed: {exc!r}") from exc
+    if sent != len(data):  # never for a datagram; a stream would need the rest sent
+        raise WireError(f"sent {sent} of {len(data)} bytes")
 
 
 def send(sock: socket.socket, message: dict[str, Any]) -> None:
