@@ -196,6 +196,7 @@ def test_every_item_the_encoder_published_reaches_pd_under_load(load_run: LoadRu
     seen = {  # (encoder, PD), for the failure messages
         name: (ec(encoder, f"{name}_total"), ec(pd, f"{name}_total")) for name in shown.split()
     }
+    print(f"counters (encoder, PD): {seen}")  # with -s: the figures of docs/benchmarks.md
     assert result["completed"] == LOAD.num_prompts and result["failed"] == 0, result["errors"]
     assert load_run.stored_keys == images, seen  # every image published ...
     assert ec(pd, "local_fallbacks_total") == 0, seen  # ... and PD encoded none itself
