@@ -15,6 +15,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -668,43 +669,83 @@ def test_handing_over_never_waits_for_room_in_the_childs_socket(redis_url: str) 
         cache.close()
 
 
-def test_handed_writes_hold_at_most_the_queues_bytes(redis_url: str) -> None:
-    """Handed writes keep their host copies until answered: with the child stopped, no more
-    than ``write_queue_bytes`` of them are held that way; the rest are queued."""
+def test_handed_writes_count_towards_the_queues_bytes(redis_url: str) -> None:
+    """Handed writes keep their host copies until answered, and those count towards
+    ``write_queue_bytes`` with the queued ones (what the pinned pool is sized for): with the
+    child stopped, no more than the budget is handed over, and the queue holds what is left
+    of it (the write being queued may pass it, as an empty queue's always could)."""
     item_bytes = 256 * 256 * 2
-    cache = TieredCache.from_config(settings(redis_url, write_queue_bytes=3 * item_bytes + 100))
+    budget = 3 * item_bytes + 100
+    cache = TieredCache.from_config(settings(redis_url, write_queue_bytes=budget))
     try:
         assert cache.warm_writes(60)
         assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
         writer = cache.writer
         assert writer is not None
-        items = {f"img{i}": embedding(256, 256, seed=40 + i) for i in range(5)}
+        items = {f"img{i}": embedding(256, 256, seed=40 + i) for i in range(6)}
         with child_stopped(cache):
             for key, item in items.items():
                 assert cache.put(key, item)
+                held = writer._handed_bytes + writer._queued_bytes
+                assert held <= budget + item_bytes, (key, held)
             assert stat(cache, "process_dispatched") == 1 + 3
-            assert writer._handed_bytes <= 3 * item_bytes + 100
+            dropped = writer.counters.get("dropped")
+            assert dropped == 2  # the oldest queued ones made room, as in a full queue
         assert cache.flush(60)
-        assert writer._handed_bytes == 0 and writer._handed_items == 0
-        assert stat(cache, "written") == 1 + len(items)
-        for key, item in items.items():
-            assert bit_exact(read_back(redis_url, key), item), key
+        assert writer._handed_bytes == 0 and writer._handed_sizes == {}
+        assert stat(cache, "written") == 1 + len(items) - dropped
+        for key in ("img0", "img1", "img2", "img5"):  # handed, handed, handed, the newest
+            assert bit_exact(read_back(redis_url, key), items[key]), key
     finally:
         cache.close()
 
 
-def test_a_writer_process_runs_beyond_the_cores_vllm_bound_the_workers_thread_to(
+def test_a_step_end_hands_over_a_queued_write_that_fills_the_budget_exactly(
     redis_url: str,
 ) -> None:
-    """vLLM's CPU backend binds a worker's main thread to its compute cores; a child that
-    inherited that ran only when the worker's busy loop let it. The child runs on the CPUs
-    of the process that started this one (the engine, as an operator pinned it)."""
+    """A write queued while no child could take it is handed over at the step's end: its
+    own bytes, already counted in the queue, are not counted twice against the budget."""
+    item_bytes = 256 * 256 * 2
+    cache = TieredCache.from_config(settings(redis_url, write_queue_bytes=item_bytes))
+    try:
+        assert cache.warm_writes(60)
+        assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
+        writer = cache.writer
+        assert writer is not None
+        item = embedding(256, 256, seed=50)
+        with writer._cond:  # no writer thread takes the job meanwhile
+            real, writer._dispatcher = writer._dispatcher, None
+            try:
+                assert writer.submit("img", HostCopy(item, None))  # queued, not handed
+            finally:
+                writer._dispatcher = real
+            assert writer.dispatch(["img"]) == ["img"]
+        assert cache.flush(30)
+        assert bit_exact(read_back(redis_url, "img"), item)
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("omp_bound", [True, False], ids=["openmp-bound", "operator-pinned"])
+def test_a_writer_process_runs_beyond_the_cores_openmp_bound_the_workers_thread_to(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, omp_bound: bool
+) -> None:
+    """vLLM's CPU backend binds a worker's main thread to its compute cores through
+    OpenMP's binding variables; a child that inherited that ran only when the worker's busy
+    loop let it. With such a binding in the environment the child runs on the CPUs of the
+    process that started this one too (the engine, as the operator placed it), and gets no
+    OpenMP binding of its own. Without one, a narrower set is the operator's (``taskset``
+    on this process alone) and the child keeps it."""
     engine_cpus = os.sched_getaffinity(os.getppid())
     if len(engine_cpus) < 2:
         pytest.skip(f"this process's parent may run on one CPU only ({engine_cpus})")
     bound = {min(engine_cpus)}
+    for name in process_module.OMP_BINDING:
+        monkeypatch.delenv(name, raising=False)
+    if omp_bound:
+        monkeypatch.setenv("GOMP_CPU_AFFINITY", str(min(bound)))
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, bound)  # this thread only, as vLLM binds a worker's
+    os.sched_setaffinity(0, bound)  # this thread only, as OpenMP binds a worker's
     try:
         cache = TieredCache.from_config(settings(redis_url))
         try:
@@ -712,7 +753,11 @@ def test_a_writer_process_runs_beyond_the_cores_vllm_bound_the_workers_thread_to
             sink = cache.process_sink
             assert sink is not None
             (pid,) = sink.pids()
-            assert os.sched_getaffinity(pid) == engine_cpus | bound
+            want = engine_cpus | bound if omp_bound else bound
+            assert os.sched_getaffinity(pid) == want
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_NUM_THREADS=1" in environ
+            assert not [v for v in environ if v.startswith(b"GOMP_CPU_AFFINITY=")]
         finally:
             cache.close()
     finally:

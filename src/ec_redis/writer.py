@@ -16,9 +16,10 @@ the engine's thread hands writes over itself: in ``submit`` when the dispatcher 
 write at once, later (``dispatch``, at the end of its step) for those queued meanwhile (a
 GPU item whose host copy was not ready). A write handed over skips the queue; until its
 outcome is collected it is pending (read-your-writes) like any other, and its host copy is
-held: handed writes are bounded like the queue, by ``max_items`` and ``max_bytes`` of their
-own (a write beyond them is queued instead). A queued write a writer thread took first is
-written the normal way.
+held: handed writes count towards the queue's bounds (``max_items``, ``max_bytes``: what the
+host copies held for writes may take, e.g. the pinned pool's share), and one that would
+pass them is queued instead, where the oldest queued writes make room as usual. A queued
+write a writer thread took first is written the normal way.
 
 Handing over wakes no thread here: a thread woken in the middle of the engine's step would
 take the GIL from it, and on a machine whose cores are busy (the writer process and Redis
@@ -101,7 +102,7 @@ class BackgroundWriter:
         # in flight through the dispatcher, per key, oldest first (a key may be written
         # again before an earlier write of it is done)
         self._handed: dict[str, list[HostCopy]] = {}
-        self._handed_items = 0  # in ``_handed``, and the bytes their host copies hold
+        self._handed_sizes: dict[int, int] = {}  # id(host) -> its bytes, for ``_handed``
         self._handed_bytes = 0
         self._spent: list[HostCopy] = []  # collected by the engine's thread, dropped by ours
         self._spent_bytes = 0
@@ -144,7 +145,8 @@ class BackgroundWriter:
             if self._hand_over(key, host):  # in flight at once, never queued
                 return True
             while self._queue and (
-                len(self._queue) >= self._max_items or self._queued_bytes + nbytes > self._max_bytes
+                len(self._queue) + len(self._handed_sizes) >= self._max_items
+                or self._held_bytes() + nbytes > self._max_bytes
             ):
                 lost, dropped = self._queue.popitem(last=False)
                 self._queued_bytes -= dropped.nbytes
@@ -157,15 +159,17 @@ class BackgroundWriter:
             self._work.notify()
         return True
 
-    def _hand_over(self, key: str, host: HostCopy) -> bool:
-        """(Under the lock.) Hand the write to the dispatcher now, if it takes it."""
+    def _hand_over(self, key: str, host: HostCopy, queued: int = 0) -> bool:
+        """(Under the lock.) Hand the write to the dispatcher now, if it takes it (``queued``:
+        the bytes of its job in the queue, which it leaves if handed over)."""
         if self._dispatcher is None:
             return False
+        nbytes = host.nbytes
         if (
-            self._handed_items >= self._max_items
-            or self._handed_bytes + host.nbytes > self._max_bytes
+            len(self._queue) - bool(queued) + len(self._handed_sizes) >= self._max_items
+            or self._held_bytes() - queued + nbytes > self._max_bytes
         ):
-            return False  # held until written: bounded like the queue
+            return False  # held until written: within the queue's bounds
         try:
             dispatched = self._dispatcher.dispatch(key, host)
         except Exception as exc:  # handing over is a shortcut: the queue takes the write
@@ -175,8 +179,8 @@ class BackgroundWriter:
             return False
         _add(self._in_flight, key, host)
         _add(self._handed, key, host)
-        self._handed_items += 1
-        self._handed_bytes += host.nbytes
+        self._handed_sizes[id(host)] = nbytes
+        self._handed_bytes += nbytes
         due = time.monotonic() + self._collect_after_s
         self._dispatched.append(_Handed(key, host, dispatched, due))  # no thread woken
         return True
@@ -233,8 +237,11 @@ class BackgroundWriter:
         """(Under the lock.) The write of ``host`` under ``key`` is no longer in flight."""
         _remove(self._in_flight, key, host)
         if _remove(self._handed, key, host):
-            self._handed_items -= 1
-            self._handed_bytes -= host.nbytes
+            self._handed_bytes -= self._handed_sizes.pop(id(host))
+
+    def _held_bytes(self) -> int:
+        """(Under the lock.) Bytes of host copies queued or handed over."""
+        return self._queued_bytes + self._handed_bytes
 
     def _lose(self, keys: list[str]) -> None:
         with self._cond:
@@ -254,7 +261,7 @@ class BackgroundWriter:
             taken = not self._closed  # the dispatcher takes more
             for key in keys:
                 job = self._queue.get(key)
-                if job is not None and taken and self._hand_over(key, job.host):
+                if job is not None and taken and self._hand_over(key, job.host, job.nbytes):
                     del self._queue[key]
                     self._queued_bytes -= job.nbytes
                     done.append(key)

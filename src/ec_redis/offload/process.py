@@ -259,16 +259,23 @@ def _check_ready(reply: dict[str, Any], code: str) -> None:
         )
 
 
+# OpenMP's thread binding (libgomp, Intel's and LLVM's runtimes): vLLM's CPU backend sets one
+# for each worker, and the runtime binds the worker's main thread by it.
+OMP_BINDING = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
+
+
 def writer_cpus() -> list[int]:
-    """The CPUs a writer process runs on: this thread's and those of the process that started
-    this one (the engine that started the worker). An operator's pinning of the engine
-    (``taskset``, a cpuset) covers both, so the child stays inside it; but vLLM's CPU backend
-    binds each worker's compute threads, its main thread included, to cores of their own,
-    where a child inheriting that binding ran only when the worker's busy loop let it: on two
-    cores with two engines, writes waited seconds for a core (docs/benchmarks.md)."""
+    """The CPUs a writer process runs on: this thread's. Where an OpenMP binding in the
+    environment explains them (vLLM's CPU backend binds each worker's compute threads, its
+    main thread included, to cores of their own, where a child held to them ran only when the
+    worker's busy loop let it: on two cores with two engines, writes waited seconds for a
+    core; docs/benchmarks.md), also those of the process that started this one, the engine,
+    as the operator placed it (``taskset`` and cpusets apply to it too). Without such a
+    binding a narrower set is the operator's choice, and the child keeps it."""
     cpus = os.sched_getaffinity(0)
-    with contextlib.suppress(OSError):  # the parent gone, or hidden from this process
-        cpus |= os.sched_getaffinity(os.getppid())
+    if any(os.environ.get(name) for name in OMP_BINDING):
+        with contextlib.suppress(OSError):  # the parent gone, or hidden from this process
+            cpus |= os.sched_getaffinity(os.getppid())
     return sorted(cpus)
 
 
@@ -300,8 +307,12 @@ def command(sock_fd: int, arena_fd: int) -> list[str]:
 
 
 def child_env() -> dict[str, str]:
-    """The parent's environment, with ``ec_redis`` importable however the parent found it."""
-    env = dict(os.environ)
+    """The parent's environment, with ``ec_redis`` importable however the parent found it,
+    without an OpenMP binding or thread count meant for the worker's compute threads: the
+    child runs no parallel region, and an inherited binding would pin its thread to the
+    worker's cores again when it imports torch (``writer_cpus``)."""
+    env = {k: v for k, v in os.environ.items() if k not in OMP_BINDING}
+    env["OMP_NUM_THREADS"] = "1"
     root = Path(ec_redis.__file__).resolve().parent.parent
     if root.is_relative_to(Path(sys.prefix).resolve()):
         return env  # installed: the interpreter finds it (and site-packages stays behind)

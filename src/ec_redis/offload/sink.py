@@ -150,7 +150,7 @@ class ProcessSink:
 
     def dispatch(self, key: str, host: HostCopy) -> Dispatched | None:
         """(The engine's main thread, never blocking.) Hand the write of ``key`` to a child
-        that reads the bytes where they are: one whose pipe has room, else an idle one;
+        that reads the bytes where they are: an idle one, else one whose pipe has room;
         ``None`` (nothing done) when none can, its socket has no room now, or the bytes are
         not ready on the host yet."""
         tensor = host.tensor
@@ -158,13 +158,11 @@ class ProcessSink:
         if not ready or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
         with self._cond:
-            pipe = self._pipe_with_room()
-            fresh = pipe is None
+            child = self._take(start=False, peeking=True)  # an idle one first: in parallel
+            fresh = child is not None
+            pipe = Pipe(child) if child is not None else self._pipe_with_room()
             if pipe is None:
-                child = self._take(start=False, peeking=True)
-                if child is None:
-                    return None
-                pipe = Pipe(child)
+                return None
             try:  # never blocks, so under the lock: a reader meanwhile sees it whole
                 pipe.child.send_peek(key, tensor)
             except wire.TooLarge:  # Full included: nothing went out
@@ -173,8 +171,11 @@ class ProcessSink:
                 failed: BaseException | None = None
             except BaseException as exc:  # ChildGone, or a bug here
                 if not fresh:  # requests are out: a writer thread ends the pipe
-                    pipe.broken = exc if isinstance(exc, ChildGone) else ChildGone(repr(exc))
-                    return None
+                    if isinstance(exc, ChildGone):
+                        pipe.broken = exc
+                        return None
+                    pipe.broken = ChildGone(f"to an error here ({exc!r})")
+                    raise  # (maybe sent, not noted: its reply would be out of turn)
                 failed = exc
             else:
                 dispatched = Dispatched(pipe, host)
