@@ -3,21 +3,22 @@ in this process, the worker half in a process of its own that receives each step
 vLLM's own shared-memory broadcast queue (``MessageQueue``) and spins on it between steps, as
 vLLM's workers do. (vLLM's queue pickles the step's metadata: that is vLLM's transport.)
 
-Each step encodes one new item (a fresh tensor of ``--mib`` MiB, made untimed in the worker
-as the encoder would) and saves it. The worker is set up as vLLM's is: once warm, its GC heap
-is frozen (vLLM's ``freeze_gc_heap``, which its workers and engine core call after start-up),
-and the stand-in encoder runs on one thread: torch's OpenMP workers keep spinning on the
-other core for a while after a parallel op, which on this 2-core VM took the core the hooks
-needed (save_caches p99 5-8 ms with them, 0.6 ms without); a GPU encoder leaves no host
-thread spinning. Timed: every connector hook of the step on both halves —
-``ensure_cache_available``, ``has_cache_item``, ``update_state_after_alloc``,
-``build_connector_meta``, ``update_connector_output``, ``request_finished`` on the scheduler
-half; ``bind_connector_metadata``, ``start_load_caches``, ``save_caches``,
-``build_connector_worker_meta``, ``clear_connector_metadata`` on the worker half — and
-``save_caches`` alone. A PD scheduler half in a third process is told of each item once the
-encoder's step ended (as an EPD proxy would send PD the request) and asks step after step
-until it can load the item; its time from ``save_caches`` returning is next to a raw redis-py
-SET + GET of the same bytes on the same server, measured in the same run.
+Each step encodes ``--items`` new items (1; each a fresh tensor of ``--mib`` MiB, made
+untimed in the worker as the encoder would) of one request and saves them. The worker is set
+up as vLLM's is: once warm, its GC heap is frozen (vLLM's ``freeze_gc_heap``, which its
+workers and engine core call after start-up), and the stand-in encoder runs on one thread:
+torch's OpenMP workers keep spinning on the other core for a while after a parallel op,
+which on this 2-core VM took the core the hooks needed (save_caches p99 5-8 ms with them,
+0.6 ms without); a GPU encoder leaves no host thread spinning. Timed: every connector hook
+of the step on both halves — ``ensure_cache_available``, ``has_cache_item``,
+``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
+``request_finished`` on the scheduler half; ``bind_connector_metadata``,
+``start_load_caches``, ``save_caches``, ``build_connector_worker_meta``,
+``clear_connector_metadata`` on the worker half — and ``save_caches`` alone. A PD scheduler
+half in a third process is told of each step's last item once the encoder's step ended (as
+an EPD proxy would send PD the request) and asks step after step until it can load it; its
+time from ``save_caches`` returning is next to a raw redis-py SET + GET of the same bytes on
+the same server, measured in the same run.
 
 Rows: ``thread`` (the defaults: the write on a thread in the worker's process; a producer's
 step waits for its write, ``save_wait_s``), ``process`` (``writer_process: true``), each also
@@ -125,8 +126,8 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
         message = queue.dequeue()
         if message is None:
             break
-        mm_hash, rows, seed, meta = message
-        tensor = activation_like(rows, WIDTH, seed=seed)  # the encoder's output (untimed)
+        mm_hashes, rows, seed, meta = message
+        tensors = [activation_like(rows, WIDTH, seed=seed + i) for i in range(len(mm_hashes))]
         timings: dict[str, float] = {}
         gc_pauses.seconds = 0.0
         cpu, switches = time.thread_time(), _involuntary_switches()
@@ -137,9 +138,10 @@ def _worker(handle: Any, model_dir: str, role: str, extra: dict[str, Any], out: 
         started = time.perf_counter()
         connector.start_load_caches(encoder_cache)
         timings["start_load_caches"] = time.perf_counter() - started
-        encoder_cache[mm_hash] = tensor
+        encoder_cache.update(zip(mm_hashes, tensors, strict=True))  # the encoder's outputs
         started = time.perf_counter()
-        connector.save_caches(encoder_cache=encoder_cache, mm_hash=mm_hash)
+        for mm_hash in mm_hashes:
+            connector.save_caches(encoder_cache=encoder_cache, mm_hash=mm_hash)
         saved_at = time.monotonic()
         timings["save_caches"] = time.perf_counter() - started
         started = time.perf_counter()
@@ -244,11 +246,11 @@ def _pd(model_dir: str, extra: dict[str, Any], inbox: Any, out: Any) -> None:
 
 def measure(
     url: str, model_dir: str, setting: str, role: str, load: str, mib: float, steps: int,
-    progress: Callable[[str], None],
+    progress: Callable[[str], None], items: int = 1,
 ) -> StepRow:  # fmt: skip
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    progress(f"encoder step: {setting}, {role}, {load}, {mib:g} MiB x{steps}")
+    progress(f"encoder step: {setting}, {role}, {load}, {items} x {mib:g} MiB x{steps}")
     namespace = f"step{time.time_ns()}"
     extra = {"redis_url": url, "namespace": namespace, **SETTINGS[setting]}
     context = mp.get_context("spawn")
@@ -287,8 +289,9 @@ def measure(
     try:
         with _load(load):
             for step in range(steps + 2):  # two warm-up steps: connections, the first write
-                mm_hash = f"{namespace}-item-{step}"
-                req = vllm_request(f"req-{mm_hash}", (mm_hash, rows))
+                mm_hashes = [f"{namespace}-item-{step}-{i}" for i in range(items)]
+                mm_hash = mm_hashes[-1]  # the one PD asks for: saved last
+                req = vllm_request(f"req-{mm_hash}", *[(h, rows) for h in mm_hashes])
                 deadline = time.monotonic() + 30
                 while not scheduler.ensure_cache_available(req, 0):  # the producer's check
                     if time.monotonic() > deadline:
@@ -296,12 +299,13 @@ def measure(
                     scheduler.build_connector_meta(IDLE_STEP)
                 started = time.perf_counter()
                 scheduler.ensure_cache_available(req, 0)
-                if scheduler.has_cache_item(mm_hash):
+                if any(scheduler.has_cache_item(h) for h in mm_hashes):
                     raise RuntimeError("a new item was already published: refusing to report")
-                scheduler.update_state_after_alloc(req, 0)
+                for index in range(items):
+                    scheduler.update_state_after_alloc(req, index)
                 meta = scheduler.build_connector_meta(_Scheduled())
                 sched_s = time.perf_counter() - started
-                queue.enqueue((mm_hash, rows, step, meta))
+                queue.enqueue((mm_hashes, rows, step * items, meta))
                 reply = json.loads(_receive(receive, worker, "worker"))
                 output = _Output(ECRedisWorkerMetadata(reply["pending"], reply["loaded_step"]))
                 started = time.perf_counter()
@@ -419,7 +423,9 @@ def _burn() -> None:
         pass
 
 
-def run(url: str, mib: float, steps: int, progress: Callable[[str], None]) -> list[StepRow]:
+def run(
+    url: str, mib: float, steps: int, progress: Callable[[str], None], items: int = 1
+) -> list[StepRow]:
     from ec_redis.demo.tiny_model import build_tiny_llava
 
     rows: list[StepRow] = []
@@ -430,7 +436,8 @@ def run(url: str, mib: float, steps: int, progress: Callable[[str], None]) -> li
                 for setting in SETTINGS:
                     if role == "ec_both" and setting.endswith(", no wait"):
                         continue  # ec_both never waits: the same as without ", no wait"
-                    rows.append(measure(url, model_dir, setting, role, load, mib, steps, progress))
+                    row = measure(url, model_dir, setting, role, load, mib, steps, progress, items)
+                    rows.append(row)
     return rows
 
 

@@ -333,7 +333,7 @@ def _bench_encoder_step(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ECRedisError(f"the connector benchmark needs vLLM installed ({exc})") from None
     with _embedded_url(args) as url:
-        rows = encoder_step.run(url, args.mib, args.steps, _err)
+        rows = encoder_step.run(url, args.mib, args.steps, _err, args.items)
     return _print_rows(args, rows, encoder_step.render)
 
 

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hooks.add_argument("--mib", type=float, default=16.0, help="--encoder-step: item MiB (16)")
     hooks.add_argument(
+        "--items", type=int, default=1, help="--encoder-step: items saved per step (1)"
+    )
+    hooks.add_argument(
         "--steps", type=int, default=200, help="--scheduler / --encoder-step: steps per case"
     )
     hooks.add_argument(
