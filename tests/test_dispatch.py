@@ -37,9 +37,9 @@ def settings(url: str, **more: Any) -> dict[str, Any]:
     return offload_settings(url, **{"namespace": "handed", **more})
 
 
-def connected(url: str) -> TieredCache:
+def connected(url: str, **more: Any) -> TieredCache:
     """A cache whose writer process is up and has written once (connected to Redis)."""
-    cache = TieredCache.from_config(settings(url))
+    cache = TieredCache.from_config(settings(url, **more))
     assert cache.warm_writes(60), "the writer process never came up"
     assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
     return cache
@@ -583,12 +583,27 @@ def child_stopped(cache: TieredCache) -> Iterator[int]:
     sink = cache.process_sink
     assert sink is not None
     (pid,) = sink.pids()
+    with child_stopped_pid(pid):
+        yield pid
+
+
+@contextmanager
+def child_stopped_pid(pid: int) -> Iterator[int]:
+    """Writer process ``pid`` stopped (SIGSTOP) for the block; SIGCONT always follows."""
     os.kill(pid, signal.SIGSTOP)
     try:
         yield pid
     finally:
         with suppress(ProcessLookupError):  # killed and reaped meanwhile
             os.kill(pid, signal.SIGCONT)
+
+
+def put_all(cache: TieredCache, items: dict[str, torch.Tensor]) -> float:
+    """Save ``items`` (each accepted); the seconds it took."""
+    started = time.monotonic()
+    for key, item in items.items():
+        assert cache.put(key, item)
+    return time.monotonic() - started
 
 
 def test_a_step_that_saved_several_items_hands_them_all_to_the_one_child(
@@ -600,10 +615,7 @@ def test_a_step_that_saved_several_items_hands_them_all_to_the_one_child(
     them over returns at once. Each lands whole, counted once."""
     items = {f"img{i}": embedding(1024, 256, seed=10 + i) for i in range(6)}
     with child_stopped(writing):
-        started = time.monotonic()
-        for key, item in items.items():
-            assert writing.put(key, item)
-        handed_s = time.monotonic() - started
+        handed_s = put_all(writing, items)
         assert stat(writing, "process_dispatched") == 1 + len(items)  # "warm", then these
         assert writing.writer is not None
         assert writing.writer.depth() == (len(items), 0)  # all in flight, none queued
@@ -653,10 +665,7 @@ def test_handing_over_never_waits_for_room_in_the_childs_socket(redis_url: str) 
         long = "x" * 60_000
         items = {f"{long}{i}": embedding(64, 64, seed=30 + i) for i in range(12)}
         with child_stopped(cache):
-            started = time.monotonic()
-            for key, item in items.items():
-                assert cache.put(key, item)
-            handed_s = time.monotonic() - started
+            handed_s = put_all(cache, items)
             handed = stat(cache, "process_dispatched") - 1
         assert handed_s < 2.0  # ~10 ms expected; a send that waited for room never returns
         assert 1 < handed < len(items), handed  # some joined the pipe, then the socket filled
@@ -676,10 +685,8 @@ def test_handed_writes_count_towards_the_queues_bytes(redis_url: str) -> None:
     of it (the write being queued may pass it, as an empty queue's always could)."""
     item_bytes = 256 * 256 * 2
     budget = 3 * item_bytes + 100
-    cache = TieredCache.from_config(settings(redis_url, write_queue_bytes=budget))
+    cache = connected(redis_url, write_queue_bytes=budget)
     try:
-        assert cache.warm_writes(60)
-        assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
         writer = cache.writer
         assert writer is not None
         items = {f"img{i}": embedding(256, 256, seed=40 + i) for i in range(6)}
@@ -706,10 +713,8 @@ def test_a_step_end_hands_over_a_queued_write_that_fills_the_budget_exactly(
     """A write queued while no child could take it is handed over at the step's end: its
     own bytes, already counted in the queue, are not counted twice against the budget."""
     item_bytes = 256 * 256 * 2
-    cache = TieredCache.from_config(settings(redis_url, write_queue_bytes=item_bytes))
+    cache = connected(redis_url, write_queue_bytes=item_bytes)
     try:
-        assert cache.warm_writes(60)
-        assert cache.put("warm", embedding(8, 8)) and cache.flush(30)
         writer = cache.writer
         assert writer is not None
         item = embedding(256, 256, seed=50)
@@ -762,3 +767,58 @@ def test_a_writer_process_runs_beyond_the_cores_openmp_bound_the_workers_thread_
             cache.close()
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_a_write_goes_to_an_idle_child_before_joining_a_busy_ones_pipe(redis_url: str) -> None:
+    """Two children (``writer_threads`` 2), the first stopped with a handed write: the next
+    write is handed to the idle one and lands while the first is still stopped, not queued
+    behind a child that may be hung."""
+    cache = connected(redis_url, writer_threads=2)
+    try:
+        sink = cache.process_sink
+        assert sink is not None
+        with sink._cond:
+            sink._start_async()  # the second child, as a busy pool would start it
+        wait_for(lambda: len(sink.pids()) == 2, 60, "the second child up")
+        first = embedding(64, 64, seed=60)
+        with child_stopped_pid(sink.pids()[-1]):
+            assert cache.put("first", first)  # handed to the last child given back
+            assert stat(cache, "process_dispatched") == 2
+            item = embedding(64, 64, seed=61)
+            assert cache.put("second", item)
+            assert stat(cache, "process_dispatched") == 3
+            wait_for(lambda: read_back(redis_url, "second") is not None, 30, "second landed")
+        assert cache.flush(30)
+        assert bit_exact(read_back(redis_url, "first"), first)
+        assert bit_exact(read_back(redis_url, "second"), item)
+    finally:
+        cache.close()
+
+
+def test_an_error_here_while_joining_a_pipe_is_raised_and_the_pipes_writes_still_land(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in this process while a write joins a pipe (not the child's doing): the pipe
+    is given up (its request may have gone out unnoted), the error is reported, not
+    swallowed, the write is queued instead, and the pipe's write is retried."""
+    cache = connected(redis_url)
+    try:
+        first, second = embedding(64, 64, seed=70), embedding(64, 64, seed=71)
+        with child_stopped(cache):
+            assert cache.put("first", first)
+            assert stat(cache, "process_dispatched") == 2
+
+            def broken(self: Any, key: str, tensor: torch.Tensor) -> None:
+                raise RuntimeError("a bug here")
+
+            monkeypatch.setattr(process_module.WriterProcess, "send_peek", broken)
+            with caplog.at_level("WARNING", logger="ec_redis"):
+                assert cache.put("second", second)
+            monkeypatch.undo()
+        assert "a bug here" in caplog.text
+        assert cache.flush(60)
+        assert stat(cache, "process_retried_writes") == 1
+        assert bit_exact(read_back(redis_url, "first"), first)
+        assert bit_exact(read_back(redis_url, "second"), second)
+    finally:
+        cache.close()

@@ -159,15 +159,17 @@ class BackgroundWriter:
             self._work.notify()
         return True
 
-    def _hand_over(self, key: str, host: HostCopy, queued: int = 0) -> bool:
+    def _hand_over(self, key: str, host: HostCopy, queued: _Job | None = None) -> bool:
         """(Under the lock.) Hand the write to the dispatcher now, if it takes it (``queued``:
-        the bytes of its job in the queue, which it leaves if handed over)."""
+        its job in the queue, which it leaves if handed over: not counted twice). A host copy
+        already handed over is not handed again (its write is queued)."""
         if self._dispatcher is None:
             return False
         nbytes = host.nbytes
-        if (
-            len(self._queue) - bool(queued) + len(self._handed_sizes) >= self._max_items
-            or self._held_bytes() - queued + nbytes > self._max_bytes
+        credit_items, credit_bytes = (1, queued.nbytes) if queued is not None else (0, 0)
+        if id(host) in self._handed_sizes or (
+            len(self._queue) - credit_items + len(self._handed_sizes) >= self._max_items
+            or self._held_bytes() - credit_bytes + nbytes > self._max_bytes
         ):
             return False  # held until written: within the queue's bounds
         try:
@@ -261,7 +263,7 @@ class BackgroundWriter:
             taken = not self._closed  # the dispatcher takes more
             for key in keys:
                 job = self._queue.get(key)
-                if job is not None and taken and self._hand_over(key, job.host, job.nbytes):
+                if job is not None and taken and self._hand_over(key, job.host, job):
                     del self._queue[key]
                     self._queued_bytes -= job.nbytes
                     done.append(key)

@@ -17,8 +17,8 @@ of the step on both halves — ``ensure_cache_available``, ``has_cache_item``,
 ``clear_connector_metadata`` on the worker half — and ``save_caches`` alone. A PD scheduler
 half in a third process is told of each step's last item once the encoder's step ended (as
 an EPD proxy would send PD the request) and asks step after step until it can load it; its
-time from ``save_caches`` returning is next to a raw redis-py SET + GET of the same bytes on
-the same server, measured in the same run.
+time from ``save_caches`` returning is next to a raw redis-py SET + GET of one item's bytes
+on the same server, measured in the same run.
 
 Rows: ``thread`` (the defaults: the write on a thread in the worker's process; a producer's
 step waits for its write, ``save_wait_s``), ``process`` (``writer_process: true``), each also

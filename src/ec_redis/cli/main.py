@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hooks.add_argument("--mib", type=float, default=16.0, help="--encoder-step: item MiB (16)")
     hooks.add_argument(
-        "--items", type=int, default=1, help="--encoder-step: items saved per step (1)"
+        "--items", type=_at_least_one, default=1, help="--encoder-step: items saved per step (1)"
     )
     hooks.add_argument(
         "--steps", type=int, default=200, help="--scheduler / --encoder-step: steps per case"
@@ -214,3 +214,10 @@ def _fail(message: str, code: int) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, not {value}")
+    return value

@@ -262,6 +262,7 @@ def _check_ready(reply: dict[str, Any], code: str) -> None:
 # OpenMP's thread binding (libgomp, Intel's and LLVM's runtimes): vLLM's CPU backend sets one
 # for each worker, and the runtime binds the worker's main thread by it.
 OMP_BINDING = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
+_NO_BINDING = ("", "false", "disabled", "none")  # values that bind nothing
 
 
 def writer_cpus() -> list[int]:
@@ -273,7 +274,8 @@ def writer_cpus() -> list[int]:
     as the operator placed it (``taskset`` and cpusets apply to it too). Without such a
     binding a narrower set is the operator's choice, and the child keeps it."""
     cpus = os.sched_getaffinity(0)
-    if any(os.environ.get(name) for name in OMP_BINDING):
+    values = (os.environ.get(name, "").strip().lower() for name in OMP_BINDING)
+    if any(value not in _NO_BINDING for value in values):
         with contextlib.suppress(OSError):  # the parent gone, or hidden from this process
             cpus |= os.sched_getaffinity(os.getppid())
     return sorted(cpus)

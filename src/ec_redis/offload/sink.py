@@ -12,7 +12,8 @@ An engine's main thread may also hand a write over itself (``dispatch``, at the 
 step): to a child that reads the item's bytes out of this process's memory (``peek.py``),
 with one message and no copy, so no thread of the engine is needed for the write to land.
 A child may hold several handed writes at once (up to ``MAX_HANDED``: a step that saved
-several items hands them all to one child, which writes them in order); they form its
+several items hands them to an idle child each while there are any, then to one holding
+some, which writes them in order); they form its
 *pipe*, and the child takes no arena write until every reply in it was taken. Replies are
 collected later, without blocking, by the engine's thread (``settle``) or, when that needs a
 write made here or takes too long, by a writer thread (``finish``; ``writer.py``), in the
@@ -81,6 +82,7 @@ class Pipe:
         self.lock = threading.Lock()  # held by the thread reading its replies
         self.waiting: deque[Dispatched] = deque()  # sent, reply not taken (the sink's lock)
         self.broken: ChildGone | None = None  # seen by ``settle``: a writer thread ends it
+        self.strike = True  # whether breaking it counts against the child (``_died``)
 
 
 class ProcessSink:
@@ -175,6 +177,7 @@ class ProcessSink:
                         pipe.broken = exc
                         return None
                     pipe.broken = ChildGone(f"to an error here ({exc!r})")
+                    pipe.strike = False  # not the child's failure
                     raise  # (maybe sent, not noted: its reply would be out of turn)
                 failed = exc
             else:
@@ -268,7 +271,7 @@ class ProcessSink:
                     else:
                         self._took(pipe, answer)
                         continue
-                self._end(pipe)
+                self._end(pipe, strike=pipe.strike)
         return dispatched.reply
 
     def _took(self, pipe: Pipe, reply: dict[str, Any]) -> None:
