@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -320,3 +322,16 @@ def test_the_fakeredis_fallback_serves_megabyte_values() -> None:
         with TieredCache.from_config(config) as reader:
             got = reader.get("big")
     assert got is not None and torch.equal(got, tensor)
+
+
+def test_the_module_runs_as_a_command_and_refuses_zero_items_per_step() -> None:
+    """``python -m ec_redis.cli.main`` (how the demo and the compose images call it) builds
+    its whole parser before running: an option's checker defined below the module's
+    ``__main__`` block failed every command that way, while ``main()`` imported worked."""
+    out = subprocess.run(
+        [sys.executable, "-m", "ec_redis.cli.main", "bench-connector", "--encoder-step",
+         "--items", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "argument --items: at least 1, not 0" in out.stderr

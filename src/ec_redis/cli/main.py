@@ -207,6 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, not {value}")
+    return value
+
+
 def _fail(message: str, code: int) -> int:
     print(f"ec-redis: {message}", file=sys.stderr)
     return code
@@ -214,10 +221,3 @@ def _fail(message: str, code: int) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"at least 1, not {value}")
-    return value
