@@ -138,15 +138,22 @@ class GatedDispatcher:
         return "waiting"
 
 
+def gated_writer(max_items: int) -> tuple[GatedDispatcher, BackgroundWriter]:
+    """A writer (1 MiB of queue, one thread) handing over to a ``GatedDispatcher``, whose
+    outcomes a writer thread collects only when asked to (``flush``)."""
+    dispatcher = GatedDispatcher()
+    writer = BackgroundWriter(
+        lambda key, host: True, max_items, 1 << 20, threads=1, dispatcher=dispatcher,
+        collect_after_s=600.0,
+    )  # fmt: skip
+    return dispatcher, writer
+
+
 def test_a_queued_empty_write_handed_at_the_step_end_is_not_counted_twice() -> None:
     """``write_queue_items`` 2: one write handed over, one empty item (0 bytes, a legal
     shape) queued while no child could take it. At the step's end the queued one is handed
     over: it leaves the queue as it is handed, so it fits, though its bytes are 0."""
-    dispatcher = GatedDispatcher()
-    writer = BackgroundWriter(
-        lambda key, host: True, 2, 1 << 20, threads=1, dispatcher=dispatcher,
-        collect_after_s=600.0,
-    )  # fmt: skip
+    dispatcher, writer = gated_writer(max_items=2)
     try:
         with writer._cond:  # no writer thread takes the queued job meanwhile
             assert writer.submit("a", HostCopy(torch.zeros(16)))
@@ -163,11 +170,7 @@ def test_a_host_copy_is_never_handed_over_twice() -> None:
     """The same host copy submitted again while its first write is handed over (nothing in
     the cache does so; a caller of the writer could): the second write is queued, never
     handed, so the handed writes' accounting stays exact."""
-    dispatcher = GatedDispatcher()
-    writer = BackgroundWriter(
-        lambda key, host: True, 8, 1 << 20, threads=1, dispatcher=dispatcher,
-        collect_after_s=600.0,
-    )  # fmt: skip
+    dispatcher, writer = gated_writer(max_items=8)
     try:
         host = HostCopy(torch.zeros(16))
         with writer._cond:

@@ -104,11 +104,6 @@ class WriterProcess:
         return bool(self._out)
 
     @property
-    def out(self) -> int:
-        """How many requests are out."""
-        return len(self._out)
-
-    @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else -1
 
