@@ -335,3 +335,58 @@ def test_the_module_runs_as_a_command_and_refuses_zero_items_per_step() -> None:
     )  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert "argument --items: at least 1, not 0" in out.stderr
+
+
+def test_bench_loop_times_every_read_of_each_item_back_to_back(
+    capsys: pytest.CaptureFixture[str], redis_url: str
+) -> None:
+    argv = ("bench", "--loop", "--quick", "--rounds", "3", "--redis-url", redis_url)
+    code, data, _ = cli(capsys, *argv, "--json")
+    assert code == EXIT_OK
+    rows = data["loop"]
+    from ec_redis.bench.read_loop import READS
+
+    assert [(r["item"], r["read"]) for r in rows] == [
+        (item, read) for item in ("448px image", "4 MiB") for read in READS
+    ]
+    for row in rows:
+        assert row["rounds"] == 3
+        # a thread cannot use more CPU than the time that passes (+ a perf_counter call)
+        assert 0 < row["cpu_ms"] <= row["wall_ms"] * 1.01 + 0.05, row
+        assert row["baseline_over_this"] > 0
+    assert {r["baseline_over_this"] for r in rows if r["read"] == READS[0]} == {1.0}
+    assert not list(redis.Redis.from_url(redis_url).scan_iter("bench-loop*"))  # cleaned up
+    code, text, _ = cli(capsys, *argv)
+    assert code == EXIT_OK and "| 4 MiB | 4.0 | tier get |" in text
+
+
+def test_bench_loop_refuses_to_report_a_wrong_read(
+    capsys: pytest.CaptureFixture[str], redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ec_redis.tiers.redis_tier import RedisTier
+
+    real = RedisTier.get
+
+    def off_by_one(self: RedisTier, key: str) -> torch.Tensor | None:
+        got = real(self, key)
+        if got is not None:
+            got.view(-1)[-1] += 1  # one element of the item's last row
+        return got
+
+    monkeypatch.setattr(RedisTier, "get", off_by_one)
+    with pytest.raises(RuntimeError, match="tier get read back wrong bytes"):
+        cli(capsys, "bench", "--loop", "--quick", "--rounds", "1", "--redis-url", redis_url)
+
+
+@pytest.mark.parametrize(
+    ("more", "why"),
+    [
+        (("--topology", "cluster"), "one server"),
+        (("--redis-url", "redis://:pw@127.0.0.1:1/0"), "credentials"),
+    ],
+)
+def test_bench_loop_measures_one_plain_server_only(
+    capsys: pytest.CaptureFixture[str], more: tuple[str, ...], why: str
+) -> None:
+    code, _, err = cli(capsys, "bench", "--loop", *more)
+    assert code == EXIT_USAGE and why in err, err

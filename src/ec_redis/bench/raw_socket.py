@@ -13,10 +13,24 @@ pipelined (``read_pieces``). A benchmark helper, not a client: no errors beyond 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from urllib.parse import parse_qs, urlsplit
 
 _SCRATCH = 64 * 1024
 _PAGE = 4096
+
+
+def why_not_plain(url: str) -> str:
+    """Why the minimal client cannot read from the server(s) of ``url``, or "" if it can:
+    it speaks plain TCP, without credentials (in the URL or its query)."""
+    parts = urlsplit(url)
+    if parts.scheme.startswith("rediss") or parse_qs(parts.query).get("ssl_cert_reqs"):
+        return "TLS"
+    if parts.username or parts.password or "password" in parse_qs(parts.query):
+        return "credentials"
+    if parts.scheme == "unix":
+        return "a Unix socket URL"
+    return ""
 
 
 def prefaulted(nbytes: int) -> memoryview:
@@ -28,7 +42,7 @@ def prefaulted(nbytes: int) -> memoryview:
     return memoryview(buf)
 
 
-def _command(*args: bytes) -> bytes:
+def command(*args: bytes) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
         out += [b"$%d\r\n" % len(arg), arg, b"\r\n"]
@@ -48,13 +62,13 @@ class RawSocketClient:
 
     def read_one(self, key: bytes, into: memoryview) -> int:
         """``GET key`` into the start of ``into``; the value's length (``-1``: missing)."""
-        self._sock.sendall(_command(b"GET", key))
+        self._sock.sendall(command(b"GET", key))
         return self._bulk_into(into)
 
     def read_pieces(self, keys: Sequence[bytes], into: memoryview) -> int:
         """Every ``GET`` sent at once; the values land one after the other in ``into``.
         The bytes read in all (``-1``: a key is missing)."""
-        self._sock.sendall(b"".join(_command(b"GET", key) for key in keys))
+        self._sock.sendall(b"".join(command(b"GET", key) for key in keys))
         at, missing = 0, False
         for _ in keys:
             size = self._bulk_into(into[at:])
@@ -65,7 +79,11 @@ class RawSocketClient:
     def close(self) -> None:
         self._sock.close()
 
-    def _bulk_into(self, into: memoryview) -> int:
+    def _bulk_into(
+        self, into: memoryview, feed: Callable[[memoryview], object] | None = None
+    ) -> int:
+        """One bulk reply into the start of ``into``; ``feed`` (if any) gets each stretch of
+        it as it lands, in order."""
         line = self._line()
         if line[:1] != b"$":
             raise ConnectionError(f"unexpected reply {line[:40]!r}")
@@ -77,10 +95,14 @@ class RawSocketClient:
         have = min(self._end - self._start, size)
         into[:have] = self._view[self._start : self._start + have]
         self._start += have
+        if feed is not None:
+            feed(into[:have])
         while have < size:
             got = self._sock.recv_into(into[have:size])
             if not got:
                 raise ConnectionError("the server closed the connection")
+            if feed is not None:
+                feed(into[have : have + got])
             have += got
         self._line()  # the value's CRLF
         return size

@@ -12,7 +12,7 @@ import numpy as np
 import redis
 import torch
 
-from ec_redis.bench.raw_socket import RawSocketClient, prefaulted
+from ec_redis.bench.raw_socket import RawSocketClient, prefaulted, why_not_plain
 from ec_redis.bench.results import CodecRow, Report, Row, SocketRow, make_row
 from ec_redis.bench.timing import Timing, measure
 from ec_redis.bench.workload import BENCH_ITEMS, QUICK_ITEMS, Item, activation_like
@@ -221,12 +221,9 @@ class Sockets:
     holding a key: plain TCP without credentials only; ``None`` (and a note) otherwise."""
 
     def __init__(self, url: str, notes: list[str]) -> None:
-        target = parse_target(url)
-        self._why = ""
-        if target.tls or target.password or target.username:
-            self._why = "TLS or credentials"
-        elif target.kind == "sentinel" or url.startswith("unix"):
-            self._why = f"a {'Unix socket' if url.startswith('unix') else 'Sentinel'} URL"
+        self._why = why_not_plain(url)
+        if not self._why and parse_target(url).kind == "sentinel":
+            self._why = "a Sentinel URL"
         self._notes = notes
 
     def client(self, raw: Any, key: str) -> RawSocketClient | None:

@@ -249,6 +249,8 @@ def bench(args: argparse.Namespace) -> int:
     from ec_redis.bench.targets import targets
 
     _config(args)
+    if args.loop:
+        return _bench_loop(args)
     chunk_bytes = parse_bytes(args.chunk_bytes)
     repeat = 3 if args.quick and args.repeat == 5 else args.repeat
     reports = []
@@ -286,6 +288,25 @@ def bench(args: argparse.Namespace) -> int:
         from ec_redis.bench.connector_hooks import render as render_hooks
 
         print("\n" + render_hooks(hooks))
+    return 0
+
+
+def _bench_loop(args: argparse.Namespace) -> int:
+    from ec_redis.bench import read_loop
+    from ec_redis.bench.targets import targets
+
+    if args.topology != "standalone":
+        raise ECRedisError("bench --loop measures one server: leave --topology out")
+    if args.redis_url and (why := read_loop.supported(args.redis_url)):
+        raise ECRedisError(f"bench --loop measures {why}; got {args.redis_url}")
+    rows: list[Any] = []
+    for url, _, name in targets(args.redis_url, "standalone", args.server, _err, args.io_threads):
+        items = read_loop.LOOP_ITEMS[:2] if args.quick else read_loop.LOOP_ITEMS
+        rows += read_loop.run(url, name, args.rounds, items, progress=_err)
+    if args.json:
+        print(json.dumps({"loop": [dataclasses.asdict(r) for r in rows]}, indent=2))
+    else:
+        print(read_loop.render(rows))
     return 0
 
 

@@ -122,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure each embedded valkey-server started with --io-threads N (N > 1)",
     )
     bench.add_argument("--plot", metavar="PNG", help="write a throughput-vs-size plot")
+    bench.add_argument(
+        "--loop",
+        action="store_true",
+        help="instead: each read of one item back to back (raw socket GET, GETRANGE, GET + "
+        "checksum; tier get; redis-py GET), 1.8 to 64 MiB (--quick: 1.8 and 4), one server "
+        "over TCP",
+    )
+    bench.add_argument(
+        "--rounds", type=_at_least_one, default=300, help="--loop: rounds per item (300)"
+    )
     hooks = command(
         "bench-connector", "the connector hooks next to vLLM's ECExampleConnector", "embedded"
     )
