@@ -390,3 +390,19 @@ def test_bench_loop_measures_one_plain_server_only(
 ) -> None:
     code, _, err = cli(capsys, "bench", "--loop", *more)
     assert code == EXIT_USAGE and why in err, err
+
+
+def test_bench_against_a_server_with_a_password_leaves_the_raw_socket_out(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The minimal raw-socket client cannot authenticate: a URL with a password in it gets no
+    socket baseline (a note says why), and the rest of the bench runs."""
+    with EmbeddedRedis.start("redis", extra_args=("--requirepass", "s3cret")) as server:
+        url = server.url.replace("redis://", "redis://:s3cret@", 1)
+        argv = ("bench", "--quick", "--no-codecs", "--repeat", "2", "--json", "--redis-url", url)
+        code, data, _ = cli(capsys, *argv)
+    assert code == EXIT_OK
+    report = data["reports"][0]
+    assert report["sockets"] == []
+    assert "No raw-socket baseline for credentials" in " ".join(report["notes"])
+    assert {"redis put (encode+SET)", "redis get (GET+verify)"} <= {r["op"] for r in report["rows"]}
