@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -360,35 +361,92 @@ def test_bench_loop_times_every_read_of_each_item_back_to_back(
     assert code == EXIT_OK and "| 4 MiB | 4.0 | tier get |" in text
 
 
-def test_bench_loop_refuses_to_report_a_wrong_read(
-    capsys: pytest.CaptureFixture[str], redis_url: str, monkeypatch: pytest.MonkeyPatch
+def _flip_last_byte(buffer: memoryview) -> None:
+    buffer[-1] ^= 0xFF
+
+
+@pytest.mark.parametrize("read", ["raw socket GET", "raw socket GETRANGE",
+                                  "raw socket GET + xxh3", "tier get", "redis-py GET"])  # fmt: skip
+def test_bench_loop_refuses_to_report_a_wrong_read_and_cleans_up(
+    capsys: pytest.CaptureFixture[str], redis_url: str, monkeypatch: pytest.MonkeyPatch, read: str
 ) -> None:
+    from ec_redis.bench import read_loop
     from ec_redis.tiers.redis_tier import RedisTier
 
-    real = RedisTier.get
+    def wrong(cls: Any, name: str, spoil: Any) -> None:
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a: spoil(a, real(*a)))
 
-    def off_by_one(self: RedisTier, key: str) -> torch.Tensor | None:
-        got = real(self, key)
-        if got is not None:
-            got.view(-1)[-1] += 1  # one element of the item's last row
-        return got
-
-    monkeypatch.setattr(RedisTier, "get", off_by_one)
-    with pytest.raises(RuntimeError, match="tier get read back wrong bytes"):
+    if read == "raw socket GET":
+        wrong(read_loop._Reads, "read_one", lambda a, got: (_flip_last_byte(a[2]), got)[1])
+    elif read == "raw socket GETRANGE":
+        wrong(read_loop._Reads, "getrange", lambda a, got: (_flip_last_byte(a[2]), got)[1])
+    elif read == "raw socket GET + xxh3":
+        wrong(read_loop._Reads, "hashed", lambda a, got: got ^ 1)  # the bytes right, the hash not
+    elif read == "tier get":
+        wrong(RedisTier, "get", lambda a, got: (got.view(-1)[-1].add_(1), got)[1])
+    else:
+        wrong(redis.Redis, "get", lambda a, got: got[:-1] + bytes([got[-1] ^ 0xFF]))
+    with pytest.raises(RuntimeError, match=f"{re.escape(read)} read back wrong bytes"):
         cli(capsys, "bench", "--loop", "--quick", "--rounds", "1", "--redis-url", redis_url)
+    assert not list(redis.Redis.from_url(redis_url).scan_iter("bench-loop*"))
+
+
+def test_bench_loop_refuses_to_report_reads_of_an_item_gone_while_timed(
+    capsys: pytest.CaptureFixture[str], redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key deleted under the bench (another run, an operator) makes every read fast and
+    empty: it is refused, not reported."""
+    from ec_redis.tiers.redis_tier import RedisTier
+
+    other = redis.Redis.from_url(redis_url)
+    real, calls = RedisTier.get, []
+
+    def get_then_delete_everything(self: RedisTier, key: str) -> torch.Tensor | None:
+        calls.append(key)
+        if len(calls) == 2:  # the first timed read of the tier: the untimed check is done
+            for name in other.scan_iter("bench-loop*"):
+                other.unlink(name)
+        return real(self, key)
+
+    monkeypatch.setattr(RedisTier, "get", get_then_delete_everything)
+    with pytest.raises(RuntimeError, match="did not read the whole item"):
+        cli(capsys, "bench", "--loop", "--quick", "--rounds", "3", "--redis-url", redis_url)
+    assert len(calls) >= 2
+
+
+def test_bench_loop_leaves_keys_it_did_not_write(
+    capsys: pytest.CaptureFixture[str], redis_url: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.set("bench-loop:someone-elses", b"kept")
+    code, _, _ = cli(
+        capsys, "bench", "--loop", "--quick", "--rounds", "1", "--redis-url", redis_url
+    )
+    assert code == EXIT_OK
+    assert list(client.scan_iter("bench-loop*")) == [b"bench-loop:someone-elses"]
 
 
 @pytest.mark.parametrize(
     ("more", "why"),
     [
-        (("--topology", "cluster"), "one server"),
-        (("--redis-url", "redis://:pw@127.0.0.1:1/0"), "credentials"),
+        (("--loop", "--topology", "cluster"), "one server"),
+        (("--loop", "--redis-url", "redis://:pw@127.0.0.1:1/0"), "credentials"),
+        (("--loop", "--redis-url", "redis://127.0.0.1:1/0?ssl=true"), "TLS"),
+        (("--loop", "--redis-url", "redis://127.0.0.1:1/2"), "database 0"),
+        (("--loop", "--redis-url", "redis://127.0.0.1:1/0?db=2"), "database 0"),
+        (("--loop", "--redis-url", "redis+sentinel://127.0.0.1:1/mymaster"), "one server"),
+        (("--loop", "--redis-url", "unix:///tmp/redis.sock"), "one server"),
+        (("--loop", "--plot", "x.png"), "--plot"),
+        (("--loop", "--compare"), "--compare"),
+        (("--loop", "--repeat", "3"), "--rounds"),
+        (("--rounds", "3"), "--loop"),
     ],
 )
-def test_bench_loop_measures_one_plain_server_only(
+def test_bench_loop_options_and_servers_it_cannot_take_are_refused(
     capsys: pytest.CaptureFixture[str], more: tuple[str, ...], why: str
 ) -> None:
-    code, _, err = cli(capsys, "bench", "--loop", *more)
+    code, _, err = cli(capsys, "bench", *more)
     assert code == EXIT_USAGE and why in err, err
 
 

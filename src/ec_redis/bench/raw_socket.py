@@ -24,9 +24,10 @@ def why_not_plain(url: str) -> str:
     """Why the minimal client cannot read from the server(s) of ``url``, or "" if it can:
     it speaks plain TCP, without credentials (in the URL or its query)."""
     parts = urlsplit(url)
-    if parts.scheme.startswith("rediss") or parse_qs(parts.query).get("ssl_cert_reqs"):
+    query = parse_qs(parts.query)
+    if parts.scheme.startswith("rediss") or {"ssl", "ssl_cert_reqs"} & set(query):
         return "TLS"
-    if parts.username or parts.password or "password" in parse_qs(parts.query):
+    if parts.username or parts.password or {"username", "password"} & set(query):
         return "credentials"
     if parts.scheme == "unix":
         return "a Unix socket URL"

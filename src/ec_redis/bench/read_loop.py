@@ -18,12 +18,16 @@ round by round, on one server, with nothing in between; every read fetches the s
 * **redis-py GET**: ``redis.Redis.get`` (hiredis) of the one value.
 
 Per read: wall and thread CPU time (medians), and the baseline's median wall time over this
-read's, so ``tier get``'s figure is the ratio ``ec-redis bench`` reports against the faster
-raw read, measured back to back instead of in its rounds.
+read's. Unlike ``ec-redis bench``, whose ratio is to the faster of the one-value read and the
+tier's pieces pipelined, the baseline here is the one-value read alone. Every timed read is
+checked to have read the whole item (its length, digest or tensor), and every read is
+compared byte for byte before and after the timing: a wrong one stops the bench. The keys
+it writes carry a namespace of this run's own and are removed at the end.
 """
 
 from __future__ import annotations
 
+import secrets
 import statistics
 import time
 from collections.abc import Callable
@@ -69,11 +73,11 @@ class _Reads(RawSocketClient):
         return self._bulk_into(into)
 
     def hashed(self, key: bytes, into: memoryview) -> int:
+        """``GET key`` into ``into``, hashed as it lands: the value's xxh3-64 (-1: missing)."""
         hasher = xxhash.xxh3_64()
         self._sock.sendall(command(b"GET", key))
         size = self._bulk_into(into, hasher.update)
-        hasher.intdigest()
-        return size
+        return hasher.intdigest() if size >= 0 else -1
 
 
 def supported(url: str) -> str:
@@ -84,84 +88,115 @@ def supported(url: str) -> str:
     if why:
         return f"a server without {why} (the raw socket speaks plain TCP)"
     parts = urlsplit(url)
-    if parts.path.strip("/") not in ("", "0") or parse_qs(parts.query).get("db", ["0"]) != ["0"]:
+    dbs = {parts.path.strip("/") or "0", *parse_qs(parts.query).get("db", [])}
+    if not all(db.isdigit() and int(db) == 0 for db in dbs):
         return "database 0"
     return ""
 
 
 def run(url: str, server: str, rounds: int, items: tuple[Item, ...] = LOOP_ITEMS,
-        progress: Callable[[str], None] = lambda _: None) -> list[LoopRow]:  # fmt: skip
+        progress: Callable[[str], None] = lambda _: None,
+        chunk_bytes: int = 4 * 1024 * 1024) -> list[LoopRow]:  # fmt: skip
+    """Every read of each item, ``rounds`` rounds; ``ValueError`` when ``url`` is not a
+    server this can measure (``supported``), ``RuntimeError`` when a read is wrong."""
     why = supported(url)
     if why:
         raise ValueError(f"--loop measures {why}")
     where = urlsplit(url)
+    # This run's own keys: a second run, or anyone's bench-loop keys, are never touched.
+    namespace = f"bench-loop-{secrets.token_hex(6)}"
     raw = redis.Redis.from_url(url)
-    keys = KeyBuilder("bench-loop", ModelIdentity("bench-model"))
     tier = RedisTier(
-        make_client(CacheConfig(redis_url=url, compression="none")),
-        keys,
-        RedisTierOptions(compression="none"),
+        make_client(CacheConfig(redis_url=url, compression="none", chunk_bytes=chunk_bytes)),
+        KeyBuilder(namespace, ModelIdentity("bench-model")),
+        RedisTierOptions(compression="none", chunk_bytes=chunk_bytes),
     )
-    sock = _Reads(where.hostname or "localhost", where.port or 6379)
+    sock: _Reads | None = None
     rows: list[LoopRow] = []
     try:
+        sock = _Reads(where.hostname or "localhost", where.port or 6379)
         for item in items:
             progress(f"{server}: {item.label}, {rounds} rounds")
-            rows += _item(server, item, rounds, raw, tier, sock)
+            rows += _item(server, item, rounds, raw, tier, sock, namespace)
     finally:
-        for key in raw.scan_iter("bench-loop*", count=1000):
-            raw.unlink(key)
-        sock.close()
+        try:
+            for key in raw.scan_iter(f"{namespace}*", count=1000):
+                raw.unlink(key)
+        except redis.RedisError:  # the server is gone: what went wrong first is reported
+            pass
+        if sock is not None:
+            sock.close()
         raw.close()
         tier.close()
     return rows
 
 
-def _item(
-    server: str, item: Item, rounds: int, raw: redis.Redis, tier: RedisTier, sock: _Reads
-) -> list[LoopRow]:
+def _item(server: str, item: Item, rounds: int, raw: redis.Redis, tier: RedisTier,
+          sock: _Reads, namespace: str) -> list[LoopRow]:  # fmt: skip
     tensor = activation_like(item.rows)
     payload = tensor.view(-1).view(torch.uint8).numpy().tobytes()
-    raw_key = "bench-loop:raw:" + item.label
+    size, digest = len(payload), xxhash.xxh3_64_intdigest(payload)
+    raw_key = f"{namespace}:raw:{item.label}"
     raw.set(raw_key, payload)
     if not tier.put("item", tensor):
         raise RuntimeError("the tier refused the benchmark's item")
-    key, into = raw_key.encode(), prefaulted(len(payload))
-    reads: dict[str, Callable[[], object]] = {
-        READS[0]: lambda: sock.read_one(key, into),
-        READS[1]: lambda: sock.getrange(key, into),
-        READS[2]: lambda: sock.hashed(key, into),
-        READS[3]: lambda: tier.get("item"),
-        READS[4]: lambda: raw.get(raw_key),
+    key, into = raw_key.encode(), prefaulted(size)
+
+    def tier_get() -> torch.Tensor | None:
+        got = tier.get("item")
+        return got if got is not None and got.shape == tensor.shape else None
+
+    def redis_py_get() -> bytes | None:
+        got = raw.get(raw_key)
+        return got if isinstance(got, bytes) else None
+
+    # Each read, and what it gives when it read the whole item (checked after each timed read
+    # without touching the bytes: a vanished key or an open breaker is not a fast read).
+    reads: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
+        READS[0]: (lambda: sock.read_one(key, into), lambda got: got == size),
+        READS[1]: (lambda: sock.getrange(key, into), lambda got: got == size),
+        READS[2]: (lambda: sock.hashed(key, into), lambda got: got == digest),
+        READS[3]: (tier_get, lambda got: got is not None),
+        READS[4]: (redis_py_get, lambda got: isinstance(got, bytes) and len(got) == size),
     }
-    # Each read once, checked byte for byte, before anything is timed (connections warm).
-    for name, read in reads.items():
-        into[:] = bytes(len(into))
-        got = read()
-        if isinstance(got, torch.Tensor):
-            if got.shape != tensor.shape or got.dtype != tensor.dtype:
-                raise RuntimeError(f"{name} read back a wrong tensor: refusing to report")
-            got = got.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        elif isinstance(got, int):
-            got = into.tobytes() if got == len(payload) else None
-        if got != payload:
-            raise RuntimeError(f"{name} read back wrong bytes: refusing to report")
+
+    def verify() -> None:  # each read once, untimed, byte for byte
+        for name, (read, _) in reads.items():
+            into[:] = bytes(size)
+            got = read()
+            if isinstance(got, torch.Tensor):
+                if got.dtype != tensor.dtype:
+                    got = None
+                else:
+                    got = got.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            elif isinstance(got, int):
+                whole = got == (digest if name == READS[2] else size)
+                got = into.tobytes() if whole else None
+            if got != payload:
+                raise RuntimeError(f"{name} read back wrong bytes: refusing to report")
+
+    verify()  # before the timing (the connections warm) ...
     wall: dict[str, list[float]] = {name: [] for name in reads}
     cpu: dict[str, list[float]] = {name: [] for name in reads}
     order = list(reads)
     for r in range(max(rounds, 1)):
         turn = r % len(order)
         for name in order[turn:] + order[:turn]:
+            read, whole = reads[name]
             start, thread = time.perf_counter(), time.thread_time()
-            reads[name]()
+            got = read()
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.thread_time() - thread)
+            if not whole(got):
+                raise RuntimeError(f"{name} did not read the whole item: refusing to report")
+            del got
+    verify()  # ... and after it
     base = statistics.median(wall[READS[0]])
     return [
         LoopRow(
             server=server,
             item=item.label,
-            mib=round(len(payload) / 2**20, 1),
+            mib=round(size / 2**20, 1),
             read=name,
             rounds=len(wall[name]),
             wall_ms=statistics.median(wall[name]) * 1e3,

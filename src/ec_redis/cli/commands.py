@@ -251,6 +251,8 @@ def bench(args: argparse.Namespace) -> int:
     _config(args)
     if args.loop:
         return _bench_loop(args)
+    if args.rounds is not None:
+        raise ECRedisError("bench --rounds is for --loop (the other measurements take --repeat)")
     chunk_bytes = parse_bytes(args.chunk_bytes)
     repeat = 3 if args.quick and args.repeat == 5 else args.repeat
     reports = []
@@ -297,12 +299,18 @@ def _bench_loop(args: argparse.Namespace) -> int:
 
     if args.topology != "standalone":
         raise ECRedisError("bench --loop measures one server: leave --topology out")
+    unused = [flag for flag, given in (("--plot", args.plot), ("--compare", args.compare),
+              ("--repeat (--loop takes --rounds)", args.repeat != 5)) if given]  # fmt: skip
+    if unused:
+        raise ECRedisError(f"bench --loop does not take {', '.join(unused)}")
     if args.redis_url and (why := read_loop.supported(args.redis_url)):
         raise ECRedisError(f"bench --loop measures {why}; got {args.redis_url}")
+    chunk_bytes = parse_bytes(args.chunk_bytes)
+    rounds = args.rounds or 300
     rows: list[Any] = []
     for url, _, name in targets(args.redis_url, "standalone", args.server, _err, args.io_threads):
         items = read_loop.LOOP_ITEMS[:2] if args.quick else read_loop.LOOP_ITEMS
-        rows += read_loop.run(url, name, args.rounds, items, progress=_err)
+        rows += read_loop.run(url, name, rounds, items, _err, chunk_bytes)
     if args.json:
         print(json.dumps({"loop": [dataclasses.asdict(r) for r in rows]}, indent=2))
     else:

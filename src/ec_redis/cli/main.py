@@ -129,9 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checksum; tier get; redis-py GET), 1.8 to 64 MiB (--quick: 1.8 and 4), one server "
         "over TCP",
     )
-    bench.add_argument(
-        "--rounds", type=_at_least_one, default=300, help="--loop: rounds per item (300)"
-    )
+    bench.add_argument("--rounds", type=_at_least_one, help="--loop: rounds per item (default 300)")
     hooks = command(
         "bench-connector", "the connector hooks next to vLLM's ECExampleConnector", "embedded"
     )
