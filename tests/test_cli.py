@@ -464,3 +464,29 @@ def test_bench_against_a_server_with_a_password_leaves_the_raw_socket_out(
     assert report["sockets"] == []
     assert "No raw-socket baseline for credentials" in " ".join(report["notes"])
     assert {"redis put (encode+SET)", "redis get (GET+verify)"} <= {r["op"] for r in report["rows"]}
+
+
+def test_bench_on_a_shared_server_touches_no_key_of_anyone_else(
+    capsys: pytest.CaptureFixture[str], redis_url: str
+) -> None:
+    """It deleted every key starting with "bench" at its end (a user's benchmark results
+    too); now only the keys of its own run, and none of them is left."""
+    client = redis.Redis.from_url(redis_url)
+    theirs = {b"bench:raw", b"benchmark-results", b"bench-loop:x", b"bench-abc:v1:{m.item}"}
+    for key in theirs:
+        client.set(key, b"theirs")
+    argv = ("bench", "--quick", "--no-codecs", "--repeat", "2", "--redis-url", redis_url)
+    code, _, _ = cli(capsys, *argv)
+    assert code == EXIT_OK
+    assert set(client.scan_iter("bench*")) == theirs
+    assert all(client.get(key) == b"theirs" for key in theirs)
+
+
+def test_the_encoder_step_baseline_writes_a_key_of_its_own(redis_url: str) -> None:
+    from ec_redis.bench.encoder_step import raw_set_get
+
+    client = redis.Redis.from_url(redis_url)
+    client.set("bench:raw", b"theirs")  # the key it used to overwrite, then delete
+    assert len(raw_set_get(redis_url, 4096, 2)) == 2
+    assert client.get("bench:raw") == b"theirs"
+    assert list(client.scan_iter("bench-raw-*")) == []

@@ -3,6 +3,8 @@ interleaved run by run against the same server so both see the same machine nois
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -48,10 +50,13 @@ def run(
     report = Report(server=server, machine=_machine(), name=name or server)
     items = QUICK_ITEMS if quick else BENCH_ITEMS
     raw = raw_client(url)
+    # This run's own keys: on a shared server, nobody else's key is touched (not even one
+    # named bench...), nor a second run's.
+    namespace = f"bench-{secrets.token_hex(6)}"
     config = CacheConfig(redis_url=url, compression="none", chunk_bytes=chunk_bytes)
     tier = RedisTier(
         make_client(config),
-        KeyBuilder("bench", ModelIdentity("bench-model")),
+        KeyBuilder(namespace, ModelIdentity("bench-model")),
         RedisTierOptions(chunk_bytes=chunk_bytes, compression="none"),
     )
     socket = Sockets(url, report.notes)
@@ -68,7 +73,7 @@ def run(
             report.sockets += [sockets] if sockets is not None else []
             step += 1
             progress(f"[{step}/{steps}] local tiers, {_label(item)}")
-            report.rows += _local_rows(item, tensor, runs, url)
+            report.rows += _local_rows(item, tensor, runs, url, namespace)
             if codecs:
                 step += 1
                 progress(f"[{step}/{steps}] codecs, {_label(item)}")
@@ -81,8 +86,9 @@ def run(
         else:
             report.notes.append("No CUDA device: GPU-tier rows hold CPU tensors; no CUDA rows.")
     finally:
-        for key in raw.scan_iter("bench*", count=1000):
-            raw.unlink(key)
+        with contextlib.suppress(redis.RedisError):  # a server gone: the first error is told
+            for key in raw.scan_iter(f"{namespace}*", count=1000):
+                raw.unlink(key)
         raw.close()
         tier.close()
     return report
@@ -93,7 +99,7 @@ def _redis_rows(
 ) -> tuple[list[Row], SocketRow | None]:
     payload = tensor.view(-1).view(torch.uint8).numpy().tobytes()  # the same number of bytes
     head = tier.keys.head("item")
-    raw_key = "bench:raw" + head[head.index("{") :]  # the entry's hash tag: the same master
+    raw_key = f"{tier.keys.namespace}:raw" + head[head.index("{") :]  # its hash tag: same master
     part = part_size(tier.options.chunk_bytes)  # the tier's pieces: the same bytes as N keys
     piece_keys = [f"{raw_key}:piece:{i}" for i in range(-(-len(payload) // part))]
     sock = socket.client(raw, raw_key)
@@ -262,7 +268,7 @@ def settle(raw: Any) -> None:
             server.execute_command("WAIT", replicas, 10_000)
 
 
-def _local_rows(item: Item, tensor: torch.Tensor, runs: int, url: str) -> list[Row]:
+def _local_rows(item: Item, tensor: torch.Tensor, runs: int, url: str, namespace: str) -> list[Row]:
     budget = item.nbytes * 2
     with TieredCache(CacheConfig(gpu_cache_bytes=budget, cpu_cache_bytes=budget)) as cache:
         cache.put("x", tensor)
@@ -270,7 +276,7 @@ def _local_rows(item: Item, tensor: torch.Tensor, runs: int, url: str) -> list[R
         cache.gpu.delete("x")
         cpu = measure(lambda: cache.cpu.get("x"), runs * 20)
     clone = measure(lambda: tensor.clone(), runs * 2)
-    config = CacheConfig(redis_url=url, namespace="bench", compression="none")
+    config = CacheConfig(redis_url=url, namespace=namespace, compression="none")
     with TieredCache(config) as cache:
         put = measure(lambda: cache.put("y", tensor), runs, setup=lambda: cache.flush(30))
     kind = "cuda" if torch.cuda.is_available() else "no CUDA: CPU tensors"
