@@ -490,3 +490,12 @@ def test_the_encoder_step_baseline_writes_a_key_of_its_own(redis_url: str) -> No
     assert len(raw_set_get(redis_url, 4096, 2)) == 2
     assert client.get("bench:raw") == b"theirs"
     assert list(client.scan_iter("bench-raw-*")) == []
+
+
+@pytest.mark.parametrize("mode", [(), ("--loop",)])
+def test_bench_against_an_unreachable_server_is_exit_3(
+    capsys: pytest.CaptureFixture[str], mode: tuple[str, ...]
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    code, _, err = cli(capsys, "bench", *mode, "--quick", "--redis-url", url)
+    assert code == EXIT_REDIS and "cannot reach Redis" in err, err

@@ -248,11 +248,11 @@ def bench(args: argparse.Namespace) -> int:
     from ec_redis.bench.runner import run
     from ec_redis.bench.targets import targets
 
-    _config(args)
     if args.loop:
         return _bench_loop(args)
     if args.rounds is not None:
         raise ECRedisError("bench --rounds is for --loop (the other measurements take --repeat)")
+    _reachable(args)
     chunk_bytes = parse_bytes(args.chunk_bytes)
     repeat = 3 if args.quick and args.repeat == 5 else args.repeat
     reports = []
@@ -293,6 +293,14 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reachable(args: argparse.Namespace) -> None:
+    """The configuration checked and, with --redis-url, the server answering: an unreachable
+    or refusing one is exit 3 with its reason, not a traceback mid-benchmark."""
+    config = _config(args)
+    if args.redis_url:
+        _client(config).close()
+
+
 def _bench_loop(args: argparse.Namespace) -> int:
     from ec_redis.bench import read_loop
     from ec_redis.bench.targets import targets
@@ -305,6 +313,7 @@ def _bench_loop(args: argparse.Namespace) -> int:
         raise ECRedisError(f"bench --loop does not take {', '.join(unused)}")
     if args.redis_url and (why := read_loop.supported(args.redis_url)):
         raise ECRedisError(f"bench --loop measures {why}; got {args.redis_url}")
+    _reachable(args)
     chunk_bytes = parse_bytes(args.chunk_bytes)
     rounds = args.rounds or 300
     rows: list[Any] = []
