@@ -12,7 +12,7 @@ import redis
 import torch
 
 from ec_redis.errors import ConfigError
-from tests.conftest import embedding
+from tests.conftest import embedding, wait_for
 from tests.connector.conftest import publish, request, vllm_config, wait_ready
 from tests.counters import count
 
@@ -138,8 +138,14 @@ def test_consumer_gives_up_after_the_wait_and_encodes_locally(make_connector: Ma
 def test_on_missing_fail_fails_the_request_as_retryable(make_connector: Make) -> None:
     scheduler = make_connector("ec_consumer", extra={"consumer_wait_s": 0.1, "on_missing": "fail"})
     req = request("r1", ("missing", 16))
-    assert not wait_ready(scheduler, req, timeout_s=0.5)  # held back, never promised
-    assert scheduler.take_unavailable_requests() == {"r1"}
+    failed: set[str] = set()
+
+    def failed_by_now() -> bool:  # step after step, as the scheduler asks, on any host's pace
+        assert scheduler.ensure_cache_available(req, 0) is False  # held back, never promised
+        failed.update(scheduler.take_unavailable_requests())
+        return failed == {"r1"}
+
+    wait_for(failed_by_now, 10, "the request to be failed as unavailable")
     assert scheduler.take_unavailable_requests() == set()
     assert scheduler.stats_snapshot()["unavailable_requests"] == 1
 
@@ -273,7 +279,9 @@ def test_save_caches_returns_fast_and_survives_vllm_freeing_the_entry(
     elapsed = time.perf_counter() - started
     del encoder_cache["img"]  # vLLM frees the entry right after the step
     assert worker._cache.flush(10)
-    assert elapsed < 0.05  # behaviour check: no network round trip inside the hook
+    # Generous (one sample on a possibly loaded host): that the hook never waits on Redis
+    # is shown where waiting would cost seconds (test_save_caches_never_waits_on_redis).
+    assert elapsed < 1.0
     consumer = make_connector("ec_consumer")
     req = request("r1", ("img", 256))
     assert wait_ready(consumer, req) and consumer.has_cache_item("img")
