@@ -29,9 +29,11 @@ from ec_redis.codec.format import (
     MAGIC,
 )
 from ec_redis.config import CacheConfig
+from ec_redis.embedded import EmbeddedRedis
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.redis_conn import make_client
 from ec_redis.tiers.layout import ALLOCATOR_SLACK, chunk_keys
+from ec_redis.tiers.lease import Claim
 from ec_redis.tiers.redis_tier import RedisTier, RedisTierOptions
 from tests.conftest import bits
 from tests.counters import count
@@ -515,6 +517,42 @@ def test_a_head_longer_than_this_readers_chunks_is_read_whole_in_a_second_trip(
     assert_bit_exact(got["own"], bf16(300, 46))
     assert reader.stats()["long_heads"] == 1
     assert writer.get("long") is not None and count(writer.stats(), "long_heads") == 0
+
+
+def test_a_long_bad_head_never_makes_the_server_hold_a_copy_of_it(
+    private_redis: EmbeddedRedis,
+) -> None:
+    """A 96 MiB foreign value under an entry's head key, read in a batch with 40 entries (and
+    a single-flight claim) by the zero-copy reader, on a server with 32 MiB of ``maxmemory``
+    headroom under ``allkeys-lru``: the server never holds more of the bad value for this
+    reader than the cut head asks for (a ``GET`` of it, which redis-server 7.0 answers from a
+    copy in the client's output buffer, would need 96 MiB more and evict other entries).
+    Nothing is evicted; every entry is served; the bad head is rejected; the claim is made."""
+    raw = redis.Redis.from_url(private_redis.url)
+    tier = RedisTier(
+        make_client(CacheConfig(redis_url=private_redis.url)),
+        KEYS,
+        RedisTierOptions(chunk_bytes=CHUNK),
+    )
+    items = [f"e{i}" for i in range(40)]
+    for i, item in enumerate(items):
+        assert tier.put(item, bf16(4, 100 + i))
+    piece = b"not a blob, " * (1 << 16)
+    for at in range(0, 96 << 20, len(piece)):
+        raw.setrange(KEYS.head("bad"), at, piece)
+    used = int(raw.info("memory")["used_memory"])
+    raw.config_set("maxmemory", used + (32 << 20))
+    raw.config_set("maxmemory-policy", "allkeys-lru")
+    claim = Claim("tok", 5000, {"new": 16})
+    evicted = int(raw.info("stats")["evicted_keys"])
+    got = tier.get_many(["bad", *items, "new"], claim)
+    assert int(raw.info("stats")["evicted_keys"]) == evicted
+    assert [item for item in items if got[item] is None] == []
+    assert got["bad"] is None and tier.stats()["bad_blobs"] == 1
+    assert claim.results["new"].won
+    raw.config_set("maxmemory", 0)
+    tier.close()
+    raw.close()
 
 
 @pytest.mark.parametrize("path", ["direct", "pipelined"])
