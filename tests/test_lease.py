@@ -18,7 +18,7 @@ from ec_redis import TieredCache
 from ec_redis.embedded import EmbeddedCluster, Flavor
 from ec_redis.keys import KeyBuilder, ModelIdentity
 from ec_redis.tiers.lease import Claim, Lease
-from tests.conftest import embedding
+from tests.conftest import embedding, wait_for
 from tests.counters import count
 
 pytestmark = pytest.mark.redis
@@ -125,10 +125,7 @@ def test_leases_expire_by_themselves(
     cache.get_many(list(burst.rows), on_host=True, claim=burst)
     assert len(burst.results) == 20 and len(lease_keys(raw)) == 20
     assert all(0 < raw.pttl(key) <= 2000 for key in lease_keys(raw))
-    deadline = time.monotonic() + 15
-    while lease_keys(raw) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert lease_keys(raw) == []
+    wait_for(lambda: lease_keys(raw) == [], 15, "the leases to expire")
 
 
 @pytest.mark.parametrize(
@@ -236,10 +233,7 @@ def test_a_write_that_will_never_land_ends_the_lease(
     assert cache.put("x", embedding(1024, 128))  # 256 KiB: kept locally, refused by Redis
     assert cache.flush(10)
     assert count(cache.stats()["redis"], "write_rejected") == 1  # the refusal happened
-    deadline = time.monotonic() + 10
-    while lease_keys(raw) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert lease_keys(raw) == []
+    wait_for(lambda: lease_keys(raw) == [], 10, "the refused write to end the lease")
 
 
 def test_every_write_the_queue_drops_is_reported_once() -> None:

@@ -550,7 +550,6 @@ def test_a_long_bad_head_never_makes_the_server_hold_a_copy_of_it(
     assert [item for item in items if got[item] is None] == []
     assert got["bad"] is None and tier.stats()["bad_blobs"] == 1
     assert claim.results["new"].won
-    raw.config_set("maxmemory", 0)
     tier.close()
     raw.close()
 
